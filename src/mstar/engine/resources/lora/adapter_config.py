@@ -1,0 +1,150 @@
+"""A PEFT adapter_config.json: the scaling it gives each module, and the options not served."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# Options that change the delta (or the base it applies to) in ways this pool does not serve.
+# An adapter setting any of them is refused rather than served wrong.
+UNSERVED_OPTIONS = {
+    "use_dora": "DoRA (use_dora) rescales the whole weight, not a low-rank delta",
+    "lora_bias": "lora_bias adds a bias to lora_B",
+    "use_qalora": "QALoRA (use_qalora) pools its input",
+    "layer_replication": "layer_replication changes the base model's layers",
+    "trainable_token_indices": "trainable_token_indices trains embedding rows",
+    "target_parameters": "target_parameters puts LoRA on raw parameters (MoE experts)",
+    "alora_invocation_tokens": "aLoRA (alora_invocation_tokens) applies from an invocation on",
+    "arrow_config": "arrow_config routes between adapters",
+    "kasa_config": "KaSA (kasa_config) adds a singular-value scale",
+    "use_bdlora": "BD-LoRA (use_bdlora) uses block-diagonal factors",
+    "monteclora_config": "MonteCLoRA (monteclora_config) samples its factors",
+    "fan_in_fan_out": "fan_in_fan_out stores factors for a transposed base weight",
+}
+# These initialisations leave a residual in the base weights that the served base lacks.
+RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq")
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """The fields of adapter_config.json that decide each module's scaling."""
+
+    r: int = 8
+    lora_alpha: float = 8
+    use_rslora: bool = False
+    rank_pattern: Mapping[str, int] = field(default_factory=dict)
+    alpha_pattern: Mapping[str, float] = field(default_factory=dict)
+    layers_to_transform: tuple[int, ...] | None = None
+
+    @property
+    def scaling(self) -> float:
+        """The adapter's scaling, lora_alpha / r (or / sqrt(r) with rsLoRA)."""
+        return self.scale(self.lora_alpha, self.r)
+
+    def scale(self, alpha: float, r: int) -> float:
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    def rank_of(self, module: str) -> int:
+        return int(_pattern_value(self.rank_pattern, module, self.r))
+
+    def module_scaling(self, module: str) -> float:
+        """This module's own scaling, with PEFT's pattern rule for rank_pattern and alpha_pattern."""
+        return self.scale(_pattern_value(self.alpha_pattern, module, self.lora_alpha), self.rank_of(module))
+
+
+def _pattern_value(patterns: Mapping[str, float], module: str, default: float) -> float:
+    # PEFT's rule: keys in the file's order, the first whose (.*\.)?(key)$ matches wins.
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def parse_config(raw: object) -> AdapterConfig:
+    """An AdapterConfig from a parsed adapter_config.json; ValueError listing every unserved option."""
+    if not isinstance(raw, dict):
+        raise ValueError("adapter_config.json is not a JSON object")
+    problems = []
+    peft_type = raw.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        problems.append(f"peft_type {peft_type!r} is not LoRA")
+    for key, why in UNSERVED_OPTIONS.items():
+        if raw.get(key):
+            problems.append(why)
+    if raw.get("bias", "none") != "none":
+        problems.append(f"bias {raw['bias']!r} trains biases, which are not served")
+    if raw.get("modules_to_save"):
+        problems.append(f"modules_to_save {raw['modules_to_save']!r} replaces whole modules")
+    init = raw.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(RESIDUAL_INITS):
+        problems.append(
+            f"init_lora_weights {init!r} assumes modified base weights; convert it to plain LoRA "
+            "(path_initial_model_for_weight_conversion) first"
+        )
+    try:
+        config = AdapterConfig(
+            r=_positive(raw.get("r", 8), "r", int),
+            lora_alpha=_number(raw.get("lora_alpha", 8), "lora_alpha"),
+            use_rslora=bool(raw.get("use_rslora", False)),
+            rank_pattern=_patterns(raw.get("rank_pattern"), "rank_pattern", int),
+            alpha_pattern=_patterns(raw.get("alpha_pattern"), "alpha_pattern", float),
+            layers_to_transform=_layers(raw.get("layers_to_transform")),
+        )
+    except ValueError as e:
+        problems.append(str(e))
+        config = None
+    if problems:
+        raise ValueError("; ".join(problems))
+    return config
+
+
+def read_config(path: str | os.PathLike[str]) -> AdapterConfig:
+    with open(path, "rb") as f:
+        data = f.read(16 * 1024 * 1024 + 1)
+    if len(data) > 16 * 1024 * 1024:
+        raise ValueError("adapter_config.json is over 16 MiB")
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"adapter_config.json is not valid JSON ({e})") from None
+    return parse_config(raw)
+
+
+def _number(v: object, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{what} {v!r} is not a finite number")
+    return v
+
+
+def _positive(v: object, what: str, kind: type) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{what} {v!r} is not a positive integer")
+    return kind(v)
+
+
+def _patterns(v: object, what: str, kind: type) -> dict:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ValueError(f"{what} is not a map of module patterns")
+    out = {}
+    for key, value in v.items():
+        try:
+            re.compile(rf"(.*\.)?({key})$")
+        except re.error as e:
+            raise ValueError(f"{what} key {key!r} is not a valid pattern ({e})") from None
+        out[key] = _positive(value, f"{what}[{key!r}]", int) if kind is int else _number(value, f"{what}[{key!r}]")
+    return out
+
+
+def _layers(v: object) -> tuple[int, ...] | None:
+    if v is None:
+        return None
+    v = [v] if isinstance(v, int) else v
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        raise ValueError(f"layers_to_transform {v!r} is not a list of layer indices")
+    return tuple(v)

@@ -1,0 +1,178 @@
+"""Whether a deployment can serve an adapter, decided from the checkpoint's header."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+
+from .checkpoint import Checkpoint, open_checkpoint
+from .digest import adapter_digest
+from .keys import ROLE_REASONS
+from .spec import AdapterInfo, LoraSpec
+
+# Modules whose LoRA changes the vocabulary side of the model, which the pool does not serve.
+_VOCAB_MODULES = ("lm_head", "embed_tokens", "wte", "embed_out", "output_layer")
+
+
+def as_linear(shape: Sequence[int]) -> tuple[int, ...]:
+    """A LoRA factor's shape as a linear's: a conv adapter's A [r, c, *kernel] and B [out, r, 1, ...]
+    flatten to [r, c * prod(kernel)] and [out, r], which is the delta on a conv whose kernel is its
+    stride, over the flattened patch."""
+    shape = tuple(shape)
+    if len(shape) <= 2:
+        return shape
+    return (shape[0], math.prod(shape[1:]))
+
+
+def misfit(spec: LoraSpec, module: str, a_shape: Sequence[int], b_shape: Sequence[int]) -> str | None:
+    """Why a mapped module's A / B shapes do not fit its target, or None."""
+    loc = spec.locate(module)
+    if loc is None:
+        return f"no {spec.name} target maps it"
+    name, layer, s = loc
+    t = spec.targets[name]
+    a_shape, b_shape = tuple(a_shape), tuple(b_shape)
+    if layer >= t.layers:
+        return f"layer {layer} is past the {t.layers} layers of target {name}"
+    if len(a_shape) < 2 or len(b_shape) != len(a_shape):
+        return f"A {list(a_shape)} and B {list(b_shape)} are not a pair of LoRA factors"
+    if t.kernel is None and len(a_shape) != 2:
+        return f"A {list(a_shape)} is a conv factor, target {name} is a linear"
+    if t.kernel is not None:
+        want = (t.in_channels, *t.kernel)
+        if len(a_shape) == 2 or a_shape[1:] != want:
+            return f"A {list(a_shape)} needs [r, {', '.join(map(str, want))}] for the conv target {name}"
+        if any(k != 1 for k in b_shape[2:]):
+            return f"B {list(b_shape)} needs a kernel of ones"
+    r = a_shape[0]
+    if r < 1:
+        return "rank 0"
+    if r > spec.max_rank:
+        return f"rank {r}, over this pool's max_rank {spec.max_rank}"
+    a, b = as_linear(a_shape), as_linear(b_shape)
+    if a[1] != t.in_features:
+        return f"A {list(a_shape)} takes {a[1]} inputs, target {name} takes {t.in_features}"
+    out = sum(t.out_features) if s is None else t.out_features[s]
+    if b != (out, r):
+        return f"B {list(b_shape)} should be [{out}, {r}] for target {name}"
+    return None
+
+
+def inspect_keys(spec: LoraSpec, items: Iterable[tuple[str, Sequence[int]]]) -> AdapterInfo:
+    """inspect_adapter over (checkpoint key, shape) pairs, as a header lists them."""
+    modules: dict[str, dict[str, tuple[int, ...]]] = {}
+    for key, shape in items:
+        module, role = spec.convert_keys(key)
+        roles = modules.setdefault(module, {})
+        roles[role if role not in roles else f"{role}:{key}"] = tuple(shape)
+    rank, unmapped, misfits, targets = 0, [], {}, set()
+    for module, roles in sorted(modules.items()):
+        if "A" in roles:
+            rank = max(rank, roles["A"][0] if roles["A"] else 0)
+        why = _module_problem(spec, module, roles)
+        if why == "unmapped":
+            unmapped.append(module)
+        elif why:
+            misfits[module] = why
+        else:
+            targets.add(spec.locate(module)[0])
+    return AdapterInfo(rank, tuple(unmapped), misfits, frozenset(targets))
+
+
+def _module_problem(spec: LoraSpec, module: str, roles: dict[str, tuple[int, ...]]) -> str | None:
+    odd = sorted(r for r in roles if r not in ("A", "B"))
+    if odd:
+        return "; ".join(ROLE_REASONS.get(r, f"two keys read as its {r.split(':')[0]}") for r in odd)
+    if module.rsplit(".", 1)[-1] in _VOCAB_MODULES:
+        return f"LoRA on {module.rsplit('.', 1)[-1]} is not served"
+    if spec.locate(module) is None:
+        return "unmapped"
+    if "A" not in roles or "B" not in roles:
+        return f"lora_{'B' if 'A' in roles else 'A'} is missing"
+    return misfit(spec, module, roles["A"], roles["B"])
+
+
+def _inspect(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
+    items = [(k, e.shape) for k, e in ckpt.header.tensors.items()]
+    info = inspect_keys(spec, items)
+    misfits = dict(info.misfits)
+    for module, roles in ckpt.modules(spec.convert_keys).items():
+        a = roles.get("A")
+        if a is None or module in misfits or not a.shape:
+            continue
+        if a.dtype not in ("F32", "F16", "BF16") or roles.get("B", a).dtype != a.dtype:
+            misfits[module] = f"factors of dtype {a.dtype} / {roles['B'].dtype}; LoRA weights are floats of one dtype"
+        elif a.shape[0] != ckpt.config.rank_of(module):
+            misfits[module] = (
+                f"rank {a.shape[0]}, but adapter_config.json gives it r={ckpt.config.rank_of(module)}, "
+                "so its scaling is unknown"
+            )
+        layers = ckpt.config.layers_to_transform
+        loc = spec.locate(module)
+        if layers is not None and loc is not None and loc[1] not in layers:
+            misfits[module] = f"layer {loc[1]} is outside layers_to_transform {list(layers)}"
+    return AdapterInfo(info.rank, info.unmapped, misfits, info.targets)
+
+
+def refuse_misfits(spec: LoraSpec, ckpt: Checkpoint) -> None:
+    """Raise ValueError naming every module spec maps but cannot serve; the rest are other nodes'."""
+    info = _inspect(spec, ckpt)
+    if info.misfits:
+        raise ckpt.refusal([f"module {m}: {why}" for m, why in info.misfits.items()])
+
+
+def inspect_adapter(spec: LoraSpec, path: str | os.PathLike[str]) -> AdapterInfo:
+    """Rank, unmapped and misfitting modules of the checkpoint at path.
+
+    Reads only the safetensors header unless the model converts a native layout, which needs
+    the tensors.
+    """
+    return _inspect(spec, open_checkpoint(path))
+
+
+def adapter_targets(spec: LoraSpec, path: str | os.PathLike[str]) -> set[str]:
+    """The targets of spec the checkpoint at path holds LoRA weights for."""
+    return set(inspect_adapter(spec, path).targets)
+
+
+def check_adapter_file(
+    spec: LoraSpec, name: str, path: str | os.PathLike[str], others: Sequence[LoraSpec] = ()
+) -> bytes:
+    """The adapter at path checked against spec and the model's others, each from the checkpoint's
+    header; returns its digest. The digest is read once per way the specs convert the checkpoint.
+    Raises ValueError for an adapter the deployment cannot serve."""
+    ckpt = open_checkpoint(path, name)
+    specs = (spec, *others)
+    infos = [_inspect(s, ckpt) for s in specs]
+    problems = []
+    for module in sorted(set.intersection(*(set(i.unmapped) for i in infos))):
+        names = ", ".join(s.name for s in specs)
+        problems.append(f"module {module}: no target of {names} maps it")
+    for s, info in zip(specs, infos, strict=True):
+        problems += [f"module {m}: {why}" for m, why in info.misfits.items()]
+    if problems:
+        raise ckpt.refusal(sorted(set(problems)))
+    digests = {}
+    for s in specs:
+        if s.convert_keys not in digests:
+            digests[s.convert_keys] = adapter_digest(ckpt, s.convert_keys)
+    return digests[spec.convert_keys]
+
+
+def check_adapters(spec: LoraSpec, others: Sequence[LoraSpec] = ()) -> dict[str, bytes]:
+    """Every adapter spec serves, through check_adapter_file (against others too); returns each
+    one's digest.
+
+    Raises naming every adapter that fails, so a bad adapter in the serving config stops the
+    deployment at startup, the same whether or not a worker would have preloaded it.
+    """
+    digests, failures = {}, []
+    for name, path in spec.adapters.items():
+        try:
+            digests[name] = check_adapter_file(spec, name, path, others)
+        except ValueError as e:
+            failures.append(str(e))
+    if failures:
+        raise ValueError(f"{len(failures)} of {len(spec.adapters)} adapters cannot be served:\n" + "\n".join(failures))
+    return digests

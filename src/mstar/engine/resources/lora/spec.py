@@ -1,0 +1,172 @@
+"""What a deployment can serve: the fused linears LoRA applies to, and how each shards."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal
+
+import torch
+
+Parallel = Literal["column", "row", "replicated"]
+
+
+def shard_units(units: int, unit: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The rows [start, stop) rank takes of units blocks of unit rows each.
+
+    With at least as many units as ranks each rank takes an equal run of them; with fewer
+    (a GQA model's KV heads on many ranks) rank k takes unit k // (n / units), which the
+    ranks sharing it replicate.
+    """
+    if units >= world_size:
+        if units % world_size:
+            raise ValueError(f"{units} units do not split over {world_size} ranks")
+        per = units // world_size
+        return rank * per * unit, (rank + 1) * per * unit
+    if world_size % units:
+        raise ValueError(f"{units} units cannot be replicated evenly over {world_size} ranks")
+    u = rank // (world_size // units)
+    return u * unit, (u + 1) * unit
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """One fused linear of the engine (or a conv applied as one) that adapters may touch.
+
+    Widths are unsharded; every sharded size follows from them and (rank, world_size).
+    """
+
+    layers: int
+    in_features: int
+    out_features: tuple[int, ...]
+    parallel: Parallel
+    heads: tuple[int, ...] | None = None
+    kernel: tuple[int, ...] | None = None  # a conv target's kernel; in_features = c * prod(kernel)
+
+    def __post_init__(self) -> None:
+        if self.parallel not in ("column", "row", "replicated"):
+            raise ValueError(f"parallel must be column, row or replicated, not {self.parallel!r}")
+        if self.heads is not None and len(self.heads) != len(self.out_features):
+            raise ValueError("heads needs one head count per slice")
+        if self.kernel is not None and self.in_features % math.prod(self.kernel):
+            raise ValueError(f"in_features {self.in_features} is not channels * prod{self.kernel}")
+
+    @property
+    def slices(self) -> int:
+        return len(self.out_features)
+
+    @property
+    def in_channels(self) -> int:
+        """A conv target's input channels; a linear's input width."""
+        return self.in_features // math.prod(self.kernel or (1,))
+
+    def a_columns(self, rank: int, world_size: int) -> tuple[int, int]:
+        """The input columns of A this rank holds: a row-parallel target splits its input."""
+        if self.parallel != "row":
+            return 0, self.in_features
+        if self.in_features % world_size:
+            raise ValueError(f"in_features {self.in_features} does not split over {world_size} ranks")
+        chunk = self.in_features // world_size
+        return rank * chunk, (rank + 1) * chunk
+
+    def b_rows(self, s: int, rank: int, world_size: int) -> tuple[int, int]:
+        """The rows of slice s's B this rank holds: a column-parallel target shards each slice."""
+        out = self.out_features[s]
+        if self.parallel != "column":
+            return 0, out
+        units = self.heads[s] if self.heads else out
+        if out % units:
+            raise ValueError(f"slice {s}'s width {out} is not a whole number of its {units} heads")
+        return shard_units(units, out // units, rank, world_size)
+
+    def in_shard(self, world_size: int) -> int:
+        start, stop = self.a_columns(0, world_size)
+        return stop - start
+
+    def out_shards(self, world_size: int) -> tuple[int, ...]:
+        """Each slice's rows on one rank (equal on every rank)."""
+        return tuple(b - a for a, b in (self.b_rows(s, 0, world_size) for s in range(self.slices)))
+
+    def a_shape(self, max_rank: int, world_size: int = 1) -> tuple[int, int, int]:
+        return (self.layers, self.slices * max_rank, self.in_shard(world_size))
+
+    def b_shape(self, max_rank: int, world_size: int = 1) -> tuple[int, int, int]:
+        return (self.layers, sum(self.out_shards(world_size)), max_rank)
+
+    def check(self, world_size: int) -> None:
+        """Raise ValueError when this target cannot shard over world_size ranks."""
+        for rank in range(world_size):
+            self.a_columns(rank, world_size)
+            for s in range(self.slices):
+                self.b_rows(s, rank, world_size)
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What a checkpoint holds, as one node's spec sees it."""
+
+    rank: int
+    unmapped: tuple[str, ...] = ()
+    misfits: Mapping[str, str] = field(default_factory=dict)
+    targets: frozenset[str] = frozenset()
+
+
+Location = tuple[str, int, "int | None"]
+
+
+def default_convert_keys() -> Callable[[str], tuple[str, str]]:
+    from .keys import peft_keys
+
+    return peft_keys
+
+
+@dataclass(frozen=True, eq=False)
+class LoraSpec:
+    """One node's view of the model (a language model, a vision tower) for LoRA.
+
+    patterns are (regex, target, slice) triples: a regex fully matching a checkpoint's module
+    name, with a group named layer where the target repeats per layer; slice None where the
+    module covers every slice of its target (a qkv_proj fused in the base model).
+    """
+
+    targets: Mapping[str, LoraTarget]
+    max_rank: int
+    patterns: tuple[tuple[str, str, int | None], ...] = ()
+    capacity: int = 8
+    dtype: torch.dtype = torch.bfloat16
+    adapters: Mapping[str, str] = field(default_factory=dict)
+    convert_keys: Callable[[str], tuple[str, str]] = field(default_factory=default_convert_keys)
+    name: str = "language_model"
+
+    def __post_init__(self) -> None:
+        if self.max_rank < 1:
+            raise ValueError(f"max_rank must be positive, not {self.max_rank}")
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be positive, not {self.capacity}")
+        for _, target, _ in self.patterns:
+            if target not in self.targets:
+                raise ValueError(f"a pattern names target {target!r}, which the spec lacks")
+
+    @cached_property
+    def _compiled(self) -> tuple[tuple[re.Pattern[str], str, int | None], ...]:
+        return tuple((re.compile(p), t, s) for p, t, s in self.patterns)
+
+    def locate(self, module: str) -> Location | None:
+        """(target, layer, slice) of a checkpoint module name, or None if no target maps it."""
+        for regex, target, s in self._compiled:
+            m = regex.fullmatch(module)
+            if m:
+                layer = int(m.group("layer")) if "layer" in regex.groupindex else 0
+                return target, layer, s
+        return None
+
+    def check_world(self, world_size: int) -> None:
+        """Raise ValueError naming the first target that cannot shard over world_size ranks."""
+        for name, target in self.targets.items():
+            try:
+                target.check(world_size)
+            except ValueError as e:
+                raise ValueError(f"{self.name} target {name!r}: {e}") from None

@@ -1,0 +1,197 @@
+"""The host tier of the adapter pool: adapters read, sharded for this rank, and pinned.
+
+An adapter's tensors are laid out exactly like one device slot (rank padded to the pool's
+max_rank with zeros), so moving it onto the device is one copy per target.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from .check import (
+    adapter_targets,
+    as_linear,
+    check_adapter_file,
+    check_adapters,
+    inspect_adapter,
+    inspect_keys,
+    misfit,
+    refuse_misfits,
+)
+from .checkpoint import open_checkpoint
+from .digest import adapter_digest, mapped
+from .layout import adapter_scaling, read_layout
+from .spec import LoraSpec
+
+__all__ = [
+    "LoadedAdapter",
+    "LoraAdapterStore",
+    "adapter_targets",
+    "as_linear",
+    "check_adapter_file",
+    "check_adapters",
+    "inspect_adapter",
+    "inspect_keys",
+    "misfit",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedAdapter:
+    """One adapter, ready to copy into a slot.
+
+    a[target] is [target layers, slices * max_rank, in] and b[target] is [target layers, out,
+    max_rank], both already this rank's shard. A target the adapter does not touch is absent.
+    digest is adapter_digest of the unsharded weights, so every rank agrees on it, computed as
+    the API server computes the one it roots the adapter's prefix-cache keys in.
+    """
+
+    name: str
+    digest: bytes
+    rank: int
+    scaling: float
+    a: dict[str, torch.Tensor]
+    b: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its layout, which is all the host memory it holds."""
+        return sum(t.nbytes for t in (*self.a.values(), *self.b.values()))
+
+
+class LoraAdapterStore:
+    """Adapters held in pinned host memory.
+
+    Which adapters it holds follows from the hold calls alone, in their order: each makes an
+    adapter the most recent, dropping the least recent past capacity but none the call's keep
+    names. A held adapter's copy arrives later, by put, once read. So when a read lands or
+    fails never changes what is held, and ranks that make the same calls hold the same set.
+    """
+
+    def __init__(
+        self,
+        spec: LoraSpec,
+        rank: int = 0,
+        world_size: int = 1,
+        pin: bool | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not one of world_size {world_size}")
+        spec.check_world(world_size)
+        self.spec = spec
+        self.rank = rank
+        self.world_size = world_size
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.dtype = dtype or spec.dtype
+        self._held: OrderedDict[str, LoadedAdapter | None] = OrderedDict()
+        self._reading: dict[str, Future[LoadedAdapter]] = {}
+        self._lock = threading.Lock()
+
+    # --- what is held: hold and drop alone decide it -------------------------------------
+
+    def hold(self, name: str, keep: Iterable[str] = ()) -> bool:
+        """Make name the most recent adapter held, dropping the least recent past capacity, but
+        none named in keep (which may hold the tier past capacity for a while). True when it was
+        not held, so its copy is the caller's to read in."""
+        keep = set(keep)
+        with self._lock:
+            new = name not in self._held
+            if new:
+                self._held[name] = None
+            self._held.move_to_end(name)
+            over = len(self._held) - self.spec.capacity
+            for old in [n for n in self._held if n != name and n not in keep][: max(over, 0)]:
+                del self._held[old]
+            return new
+
+    def drop(self, name: str) -> None:
+        with self._lock:
+            self._held.pop(name, None)
+
+    def put(self, adapter: LoadedAdapter) -> bool:
+        """adapter's copy, kept if it is still held."""
+        with self._lock:
+            if adapter.name not in self._held:
+                return False
+            self._held[adapter.name] = adapter
+            return True
+
+    def get(self, name: str) -> LoadedAdapter | None:
+        """The held copy of name, or None; recency is left as it is."""
+        with self._lock:
+            return self._held.get(name)
+
+    def held(self) -> list[str]:
+        """The names held, least recent first (copies in or not)."""
+        with self._lock:
+            return list(self._held)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def __contains__(self, name: object) -> bool:
+        with self._lock:
+            return name in self._held
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the copies held, each exactly its layout."""
+        with self._lock:
+            return sum(a.nbytes for a in self._held.values() if a is not None)
+
+    # --- reading: outside the lock -------------------------------------------------------
+
+    def read(self, name: str, path: str | os.PathLike[str], digest: bytes | None = None) -> LoadedAdapter:
+        """path read, checked against the spec and sharded for this rank, without holding it: a
+        caller can read outside whatever lock guards put. With digest, weights that digest
+        otherwise are refused: the file changed since the adapter was checked and keyed, and
+        serving it would put other weights under the same prefix-cache root, or different weights
+        on different ranks."""
+        # Checked again, not trusted from startup: the file may have changed since.
+        ckpt = open_checkpoint(path, name)
+        refuse_misfits(self.spec, ckpt)
+        with mapped(ckpt) as mm:
+            found = adapter_digest(ckpt, self.spec.convert_keys, mm)
+            if digest is not None and found != digest:
+                raise ckpt.refusal(
+                    [f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was "
+                     "checked with: the file changed since"]
+                )
+            top, a, b = read_layout(ckpt, self.spec, mm, self.rank, self.world_size, self.dtype, self.pin)
+        return LoadedAdapter(name, found, top, adapter_scaling(ckpt), a, b)
+
+    def load(self, name: str, path: str | os.PathLike[str], digest: bytes | None = None) -> LoadedAdapter:
+        """Hold name and read it from path unless its copy is in."""
+        self.hold(name)
+        with self._lock:
+            copy = self._held.get(name)
+            if copy is not None:
+                return copy
+            future = self._reading.get(name)
+            mine = future is None
+            if mine:
+                future = self._reading[name] = Future()
+        if not mine:
+            return future.result()
+        try:
+            adapter = self.read(name, path, digest)
+        except BaseException as e:
+            with self._lock:
+                del self._reading[name]
+            future.set_exception(e)
+            raise
+        with self._lock:  # put and forget the read at once, so no later load reads it again
+            if name in self._held:
+                self._held[name] = adapter
+            del self._reading[name]
+        future.set_result(adapter)
+        return adapter
