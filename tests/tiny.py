@@ -50,12 +50,12 @@ def randomize_lora(model: torch.nn.Module, seed: int = 1) -> None:
 
 
 def make_adapter(tmp: Path, arch: str = "llama", name: str = "ad", seed: int = 1, config: dict | None = None,
-                 **lora) -> tuple[torch.nn.Module, Path]:
+                 dtype: torch.dtype = torch.float32, **lora) -> tuple[torch.nn.Module, Path]:
     """A PEFT adapter saved by PEFT itself for a tiny model of arch; (the peft model, its dir)."""
     import peft
 
     config = config or model_config(arch)
-    model = build_model(config)
+    model = build_model(config).to(dtype)
     lora.setdefault("target_modules", LM_TARGETS if arch != "phi3" else ["qkv_proj", "o_proj", "gate_up_proj",
                                                                          "down_proj"])
     lora.setdefault("r", 4)

@@ -67,6 +67,7 @@ def inspect_keys(spec: LoraSpec, items: Iterable[tuple[str, Sequence[int]]]) -> 
         roles = modules.setdefault(module, {})
         roles[role if role not in roles else f"{role}:{key}"] = tuple(shape)
     rank, unmapped, misfits, targets = 0, [], {}, set()
+    placed: dict[tuple[str, int, int], str] = {}
     for module, roles in sorted(modules.items()):
         if "A" in roles:
             rank = max(rank, roles["A"][0] if roles["A"] else 0)
@@ -76,7 +77,12 @@ def inspect_keys(spec: LoraSpec, items: Iterable[tuple[str, Sequence[int]]]) -> 
         elif why:
             misfits[module] = why
         else:
-            targets.add(spec.locate(module)[0])
+            target, layer, s = spec.locate(module)
+            for sl in range(spec.targets[target].slices) if s is None else (s,):
+                if (target, layer, sl) in placed:  # two spellings of one module: neither is guessed
+                    misfits[module] = f"fills the same weights as {placed[target, layer, sl]}"
+                placed.setdefault((target, layer, sl), module)
+            targets.add(target)
     return AdapterInfo(rank, tuple(unmapped), misfits, frozenset(targets))
 
 

@@ -70,7 +70,7 @@ def parse_header(prefix: bytes, file_size: int) -> Header:
     if len(prefix) < 8 + n:
         raise ValueError("header is truncated")
     try:
-        raw = json.loads(prefix[8 : 8 + n].decode("utf-8"))
+        raw = json.loads(prefix[8 : 8 + n].decode("utf-8"), object_pairs_hook=_unique)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"header is not valid JSON ({e})") from None
     if not isinstance(raw, dict):
@@ -84,6 +84,14 @@ def parse_header(prefix: bytes, file_size: int) -> Header:
     tensors = {name: _entry(name, value, data_start) for name, value in raw.items()}
     _check_packing(tensors, data_start, file_size - data_start)
     return Header(tensors, metadata, data_start)
+
+
+def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        dup = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
+        raise json.JSONDecodeError(f"key {dup!r} appears twice", "", 0)
+    return out
 
 
 def _entry(name: str, value: object, data_start: int) -> TensorEntry:

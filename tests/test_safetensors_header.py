@@ -1,0 +1,128 @@
+"""The header parser: a hostile file gives a ValueError with its reason, never anything else."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+from tiny import make_adapter, model_config
+
+from mstar.engine.resources.lora.models import specs_from_config
+from mstar.engine.resources.lora.safetensors_header import MAX_HEADER_BYTES, Header, parse_header, read_header
+from mstar.engine.resources.lora.store import check_adapter_file
+
+
+def raw_file(header: dict, data: bytes = b"") -> bytes:
+    h = json.dumps(header).encode()
+    return struct.pack("<Q", len(h)) + h + data
+
+
+def raw_text(header: str, data: bytes = b"") -> bytes:
+    return struct.pack("<Q", len(header)) + header.encode() + data
+
+
+def entry(dtype="F32", shape=(2,), offsets=(0, 8)):
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
+
+
+def test_reads_what_safetensors_writes(tmp_path):
+    tensors = {"b": torch.randn(3, 4, dtype=torch.bfloat16), "a": torch.zeros(5), "empty": torch.zeros(0, 3)}
+    save_file(tensors, tmp_path / "x.safetensors", metadata={"format": "pt"})
+    h = read_header(tmp_path / "x.safetensors")
+    assert h.metadata == {"format": "pt"}
+    for name, t in tensors.items():
+        e = h.tensors[name]
+        assert e.shape == tuple(t.shape) and e.torch_dtype == t.dtype and e.nbytes == t.nbytes
+
+
+CORRUPT = {
+    "truncated": (lambda: raw_file({"a": entry()}, b"\0" * 8)[:-3], "data ends at byte 8, past the end"),
+    "header length past the end": (lambda: struct.pack("<Q", 1000) + b"{}", "runs past the end"),
+    "offsets out of range": (lambda: raw_file({"a": entry(offsets=(8, 16))}, b"\0" * 8), "gap of 8 bytes"),
+    "offsets overlapping": (lambda: raw_file({"a": entry(), "b": entry(offsets=(4, 12))}, b"\0" * 12),
+                            "overlaps tensor"),
+    "offsets not matching the shape": (lambda: raw_file({"a": entry(offsets=(0, 4))}, b"\0" * 4), "needs 8"),
+    "malformed json": (lambda: struct.pack("<Q", 5) + b"{nope", "not valid JSON"),
+    "not an object": (lambda: raw_file([1, 2]), "not a JSON object"),  # type: ignore[arg-type]
+    "unknown dtype": (lambda: raw_file({"a": entry(dtype="F7")}, b"\0" * 8), "unknown dtype 'F7'"),
+    "negative shape": (lambda: raw_file({"a": entry(shape=(-2,))}, b"\0" * 8), "is not a list of sizes"),
+    "oversized header": (lambda: struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}", "over the 104857600-byte limit"),
+    "too short": (lambda: b"\x01\x02", "too short"),
+    "trailing bytes": (lambda: raw_file({"a": entry()}, b"\0" * 9), "short of the file's 9 data bytes"),
+    "duplicate tensor name": (lambda: raw_text('{"a":%s,"a":%s}' % (json.dumps(entry()), json.dumps(entry())),
+                                               b"\0" * 8), "appears twice"),
+    "bad metadata": (lambda: raw_file({"__metadata__": {"a": 1}}), "string-to-string"),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPT))
+def test_refuses_corrupt_file_with_its_reason(case):
+    data, reason = CORRUPT[case]
+    data = data()
+    with pytest.raises(ValueError, match=reason):
+        parse_header(data, len(data))
+
+
+@pytest.mark.parametrize("case", ["truncated", "header length past the end", "malformed json", "unknown dtype",
+                                  "offsets overlapping", "oversized header"])
+def test_check_names_adapter_and_file_for_corrupt_weights(tmp_path, case):
+    _, path = make_adapter(tmp_path)
+    (path / "adapter_model.safetensors").write_bytes(CORRUPT[case][0]())
+    spec = specs_from_config(model_config("llama"), max_rank=8)["language_model"]
+    with pytest.raises(ValueError, match=r"adapter 'ad' \(.*adapter_model\.safetensors\): bad safetensors file"):
+        check_adapter_file(spec, "ad", path)
+
+
+def test_a_truncated_real_adapter_is_refused(tmp_path):
+    _, path = make_adapter(tmp_path)
+    f = path / "adapter_model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    spec = specs_from_config(model_config("llama"), max_rank=8)["language_model"]
+    with pytest.raises(ValueError, match="past the end"):
+        check_adapter_file(spec, "ad", path)
+
+
+def test_the_header_read_is_bounded_by_the_file(tmp_path):
+    """A header that claims 100 MB in a 20-byte file is refused before anything that size is read."""
+    f = tmp_path / "liar.safetensors"
+    f.write_bytes(struct.pack("<Q", MAX_HEADER_BYTES) + b"{}" + b" " * 10)
+    with pytest.raises(ValueError, match="runs past the end"):
+        read_header(f)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_give_a_header_or_a_value_error(data):
+    try:
+        assert isinstance(parse_header(data, len(data)), Header)
+    except ValueError:
+        pass
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 2**70) | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=5), c, max_size=4),
+    max_leaves=12,
+)
+entries = st.fixed_dictionaries({
+    "dtype": st.sampled_from(["F32", "BF16", "I8", "F8_E4M3", "X"]),
+    "shape": st.lists(st.integers(-1, 4), max_size=3),
+    "data_offsets": st.lists(st.integers(-1, 40), min_size=0, max_size=3),
+})
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.text(max_size=4), entries | json_values, max_size=4), st.integers(0, 48))
+def test_arbitrary_headers_give_a_header_or_a_value_error(header, data_len):
+    data = raw_file(header, b"\0" * data_len)
+    try:
+        parsed = parse_header(data, len(data))
+    except ValueError:
+        return
+    end = max((e.stop for e in parsed.tensors.values()), default=parsed.data_start)
+    assert end == len(data), "an accepted header accounts for every data byte"
