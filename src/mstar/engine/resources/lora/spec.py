@@ -80,7 +80,10 @@ class LoraTarget:
         units = self.heads[s] if self.heads else out
         if out % units:
             raise ValueError(f"slice {s}'s width {out} is not a whole number of its {units} heads")
-        return shard_units(units, out // units, rank, world_size)
+        try:
+            return shard_units(units, out // units, rank, world_size)
+        except ValueError as e:
+            raise ValueError(f"slice {s} ({'heads' if self.heads else 'rows'}): {e}") from None
 
     def in_shard(self, world_size: int) -> int:
         start, stop = self.a_columns(0, world_size)

@@ -1,0 +1,164 @@
+"""LoraAdapterStore: what it holds follows from hold and drop alone; reads happen once, outside the lock."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import threading
+
+import pytest
+import torch
+from tiny import make_adapter, model_config
+
+from mstar.engine.resources.lora.models import specs_from_config
+from mstar.engine.resources.lora.store import LoadedAdapter, LoraAdapterStore, check_adapter_file
+
+
+def store(capacity=3, **kw):
+    spec = specs_from_config(model_config("llama"), max_rank=8, capacity=capacity)["language_model"]
+    return LoraAdapterStore(spec, **{"pin": False, **kw})
+
+
+@pytest.fixture(scope="module")
+def adapter_path(tmp_path_factory):
+    return make_adapter(tmp_path_factory.mktemp("ad"))[1]
+
+
+def test_hold_reports_new_names_and_drops_least_recent_past_capacity():
+    s = store(capacity=2)
+    assert s.hold("a") and s.hold("b")
+    assert not s.hold("a"), "already held: nothing to read"
+    assert s.hold("c")
+    assert s.held() == ["a", "c"], "b was the least recent"
+
+
+def test_hold_keeps_names_in_keep_past_capacity():
+    s = store(capacity=2)
+    for n in "abc":
+        s.hold(n, keep="abc")
+    assert s.held() == ["a", "b", "c"]
+    s.hold("d", keep=["b"])
+    assert s.held() == ["b", "d"], "once keep is released the tier returns to capacity"
+
+
+def test_get_does_not_change_recency(adapter_path):
+    s = store(capacity=2)
+    s.hold("a")
+    s.hold("b")
+    ad = s.read("a", adapter_path)
+    assert s.put(ad) and s.get("a") is ad
+    s.hold("c")
+    assert s.get("a") is None and s.held() == ["b", "c"]
+
+
+def test_put_for_a_name_no_longer_held_is_discarded(adapter_path):
+    s = store()
+    s.hold("a")
+    ad = s.read("a", adapter_path)
+    s.drop("a")
+    assert not s.put(ad) and s.get("a") is None and "a" not in s
+
+
+def test_accounting_counts_layout_bytes(adapter_path):
+    s = store()
+    ad = s.load("a", adapter_path)
+    layout = sum(t.numel() * t.element_size() for t in (*ad.a.values(), *ad.b.values()))
+    spec = s.spec
+    slot = sum((t.a_shape(8)[0] * t.a_shape(8)[1] * t.a_shape(8)[2] + t.b_shape(8)[0] * t.b_shape(8)[1]
+                * t.b_shape(8)[2]) * 2 for t in spec.targets.values())
+    assert len(s) == 1 and s.nbytes == ad.nbytes == layout == slot
+    storage = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*ad.a.values(), *ad.b.values())}
+    assert len(storage) == 1, "one allocation per adapter"
+    assert layout <= next(iter(storage.values())) < layout + 256 * 8, "only alignment beyond the layout"
+
+
+class CountingStore(LoraAdapterStore):
+    reads = 0
+
+    def read(self, *args, **kw):
+        type(self).reads += 1
+        return super().read(*args, **kw)
+
+
+def test_load_reads_a_held_adapter_once_even_from_many_threads(adapter_path):
+    spec = specs_from_config(model_config("llama"), max_rank=8)["language_model"]
+    s = CountingStore(spec, pin=False)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(s.load("a", adapter_path))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert CountingStore.reads == 1 and len(got) == 8 and all(g is got[0] for g in got)
+    assert s.load("a", adapter_path) is got[0] and CountingStore.reads == 1
+
+
+def test_a_failed_read_changes_nothing_held(tmp_path):
+    s = store()
+    s.hold("x")
+    with pytest.raises(ValueError, match="adapter 'bad'"):
+        s.load("bad", tmp_path / "missing")
+    assert s.held() == ["x", "bad"] and s.get("bad") is None
+
+
+def test_read_with_digest_refuses_a_file_changed_since_it_was_checked(tmp_path):
+    _, path = make_adapter(tmp_path)
+    s = store()
+    digest = check_adapter_file(s.spec, "ad", path)
+    assert s.read("ad", path, digest).digest == digest
+    cfg = path / "adapter_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "lora_alpha": 16}))
+    with pytest.raises(ValueError, match=r"adapter 'ad' .* the file changed since"):
+        s.read("ad", path, digest)
+    make_adapter(tmp_path, seed=7)  # new weights, same name and path
+    with pytest.raises(ValueError, match="the file changed since"):
+        s.load("ad", path, digest)
+    assert s.get("ad") is None
+
+
+def test_many_threads_at_once_keep_every_rule(adapter_path):
+    s = store(capacity=3)
+    template = s.read("t", adapter_path)
+    names = [f"n{i}" for i in range(6)]
+    errors, bad = [], []
+
+    def work(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(300):
+                n = rng.choice(names)
+                op = rng.random()
+                if op < 0.4:
+                    s.hold(n, keep=[rng.choice(names)] if rng.random() < 0.3 else ())
+                elif op < 0.6:
+                    s.put(dataclasses.replace(template, name=n))
+                elif op < 0.9:
+                    got = s.get(n)
+                    if got is not None and (got.name != n or set(got.a) != set(template.a)):
+                        bad.append(got)
+                else:
+                    s.drop(n)
+        except Exception as e:  # noqa: BLE001 - any exception at all fails the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not bad
+    assert len(s) <= 4, "at most one name past capacity, from the last hold's keep"
+    s.hold("final")
+    assert len(s) == 3
+
+
+def test_pin_false_gives_ordinary_memory(adapter_path):
+    ad = store(pin=False).read("a", adapter_path)
+    assert isinstance(ad, LoadedAdapter) and not any(t.is_pinned() for t in ad.a.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs CUDA")
+def test_pin_true_pins_exactly_the_layout(adapter_path):
+    ad = store(pin=True).read("a", adapter_path)
+    assert all(t.is_pinned() for t in (*ad.a.values(), *ad.b.values()))
