@@ -121,11 +121,24 @@ def _inspect(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
     return AdapterInfo(info.rank, info.unmapped, misfits, info.targets)
 
 
+def module_reasons(problems: dict[str, str]) -> list[str]:
+    """One line per distinct reason, naming its first module and counting the rest, so a rank over
+    max_rank in every layer reads as one line, not hundreds."""
+    by_reason: dict[str, list[str]] = {}
+    for module, why in sorted(problems.items()):
+        by_reason.setdefault(why, []).append(module)
+    lines = []
+    for why, modules in by_reason.items():
+        more = f" (and {len(modules) - 1} more modules alike)" if len(modules) > 1 else ""
+        lines.append(f"module {modules[0]}: {why}{more}")
+    return lines
+
+
 def refuse_misfits(spec: LoraSpec, ckpt: Checkpoint) -> None:
     """Raise ValueError naming every module spec maps but cannot serve; the rest are other nodes'."""
     info = _inspect(spec, ckpt)
     if info.misfits:
-        raise ckpt.refusal([f"module {m}: {why}" for m, why in info.misfits.items()])
+        raise ckpt.refusal(module_reasons(dict(info.misfits)))
 
 
 def inspect_adapter(spec: LoraSpec, path: str | os.PathLike[str]) -> AdapterInfo:
@@ -151,14 +164,14 @@ def check_adapter_file(
     ckpt = open_checkpoint(path, name)
     specs = (spec, *others)
     infos = [_inspect(s, ckpt) for s in specs]
-    problems = []
+    problems: dict[str, str] = {}
+    names = ", ".join(s.name for s in specs)
     for module in sorted(set.intersection(*(set(i.unmapped) for i in infos))):
-        names = ", ".join(s.name for s in specs)
-        problems.append(f"module {module}: no target of {names} maps it")
-    for s, info in zip(specs, infos, strict=True):
-        problems += [f"module {m}: {why}" for m, why in info.misfits.items()]
+        problems[module] = f"no target of {names} maps it"
+    for info in infos:
+        problems.update(info.misfits)
     if problems:
-        raise ckpt.refusal(sorted(set(problems)))
+        raise ckpt.refusal(module_reasons(problems))
     digests = {}
     for s in specs:
         if s.convert_keys not in digests:

@@ -20,7 +20,7 @@ def vision_spec(vision: Mapping[str, Any], *, swiglu: bool, **kw: Any) -> LoraSp
     dim = vision["hidden_size"] if swiglu else vision["embed_dim"]
     depth, heads = vision["depth"], vision["num_heads"]
     kernel = (vision.get("temporal_patch_size", 2), vision["patch_size"], vision["patch_size"])
-    channels = vision.get("in_channels", 3)
+    channels = vision.get("in_channels") or vision.get("in_chans", 3)  # Qwen2-VL's own files say in_chans
     targets = {
         "qkv": LoraTarget(depth, dim, (dim, dim, dim), "column", (heads, heads, heads)),
         "proj": LoraTarget(depth, dim, (dim,), "row"),

@@ -1,0 +1,158 @@
+"""mstar-lora: inspect and check adapters against a model, and run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .checkpoint import default_name, open_checkpoint
+from .models import presets, specs_from_config
+from .spec import LoraSpec
+from .store import check_adapter_file, inspect_adapter
+
+
+def _adapters(args: Sequence[str]) -> dict[str, str]:
+    """NAME=PATH or PATH (named after its directory) arguments."""
+    out = {}
+    for arg in args:
+        name, sep, path = arg.partition("=")
+        if not sep:
+            name, path = default_name(arg), arg
+        out[name] = path
+    return out
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def table(rows: list[dict], columns: Sequence[str]) -> str:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(columns, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def _row(specs: dict[str, LoraSpec], name: str, path: str) -> dict:
+    row: dict = {"adapter": name, "path": path}
+    try:
+        ckpt = open_checkpoint(path, name)
+        row["size"] = _size(ckpt.size)
+        infos = {node: inspect_adapter(spec, path) for node, spec in specs.items()}
+        row["rank"] = max(i.rank for i in infos.values())
+        touched = [{spec.locate(m)[0] for m in i.misfits if spec.locate(m)} | i.targets
+                   for spec, i in zip(specs.values(), infos.values(), strict=True)]
+        row["targets"] = ",".join(t for ts in touched for t in sorted(ts))
+    except ValueError:
+        pass
+    return row
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    specs = specs_from_config(args.model, max_rank=args.max_rank)
+    rows = []
+    for name, path in _adapters(args.adapters).items():
+        row = _row(specs, name, path)
+        try:
+            ckpt = open_checkpoint(path, name)
+            problems = []
+            for node, spec in specs.items():
+                info = inspect_adapter(spec, path)
+                problems += [f"{m}: {w}" for m, w in info.misfits.items()]
+            unmapped = set.intersection(*(set(inspect_adapter(s, path).unmapped) for s in specs.values()))
+            problems += [f"{m}: no target maps it" for m in sorted(unmapped)]
+            row["scaling"] = ckpt.config.scaling
+            row["modules"] = {m: ckpt.config.module_scaling(m) for m in ckpt.modules(next(iter(specs.values())).convert_keys)}
+            row["verdict"] = "ok" if not problems else "; ".join(problems)
+        except ValueError as e:
+            row["verdict"] = str(e)
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(table(rows, ["adapter", "rank", "scaling", "targets", "size", "verdict"]))
+    return 0 if all(r["verdict"] == "ok" for r in rows) else 1
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    specs = specs_from_config(args.model, max_rank=args.max_rank)
+    adapters = _adapters(args.adapters)
+    if args.serving:
+        raw = json.loads(Path(args.serving).read_text())
+        adapters.update(raw.get("adapters", raw))
+    if not adapters:
+        print("mstar-lora check: no adapters named (ADAPTER arguments or --serving FILE)", file=sys.stderr)
+        return 2
+    nodes = list(specs.values())
+    rows, bad = [], []
+    for name, path in tqdm(adapters.items(), desc="checking", unit="adapter", disable=None, file=sys.stderr):
+        row = _row(specs, name, path)
+        try:
+            row["digest"] = check_adapter_file(nodes[0], name, path, nodes[1:]).hex()[:16]
+            row["verdict"] = "ok"
+        except ValueError as e:
+            row["verdict"] = "refused"
+            row["reason"] = str(e)
+            bad.append(str(e))
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(table(rows, ["adapter", "rank", "targets", "size", "digest", "verdict"]))
+    if bad:
+        print(f"\n{len(bad)} of {len(rows)} adapters cannot be served:", file=sys.stderr)
+        for b in bad:
+            print(b, file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mstar-lora", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    model_help = f"a config.json path or a preset: {', '.join(presets())}"
+    for name, fn, help_ in (("inspect", cmd_inspect, "what adapters hold, from their headers"),
+                            ("check", cmd_check, "the startup check: every adapter, with its digest")):
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("model", help=model_help)
+        c.add_argument("adapters", nargs="+" if name == "inspect" else "*", metavar="ADAPTER",
+                       help="an adapter directory or safetensors file, optionally NAME=PATH")
+        c.add_argument("--max-rank", type=int, default=64, help="the pool's max_rank (default 64)")
+        c.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "check":
+            c.add_argument("--serving", help="a JSON file mapping adapter names to paths")
+        c.set_defaults(fn=fn)
+    d = sub.add_parser("demo", help="sample adapters through the whole pool on a tiny model")
+    d.add_argument("--model", default="tiny-llama", help=model_help)
+    d.add_argument("--adapters", type=int, default=6, help="how many sample adapters")
+    d.add_argument("--keep", help="write the sample adapters here instead of a temporary folder")
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ValueError as e:
+        print(f"mstar-lora: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
