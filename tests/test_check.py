@@ -81,7 +81,8 @@ def test_older_module_layout_of_qwen2_vl_resolves():
 
 def test_refuses_rank_over_max_rank(tmp_path):
     _, path = make_adapter(tmp_path, r=16)
-    refused(lm_spec(max_rank=8), path, r"model\.layers\.0\.mlp\.down_proj: rank 16, over this pool's max_rank 8 \(and 20 more modules alike\)")
+    refused(lm_spec(max_rank=8), path,
+            r"model\.layers\.0\.mlp\.down_proj: rank 16, over this pool's max_rank 8 \(and 20 more modules alike\)")
 
 
 def test_refuses_dora(tmp_path):
@@ -123,7 +124,8 @@ def test_refuses_modules_no_spec_maps(tmp_path):
 
 def test_refuses_shapes_of_a_differently_sized_model(tmp_path):
     _, path = make_adapter(tmp_path)
-    msg = refused(lm_spec(hidden_size=128), path, r"k_proj: A \[4, 64\] takes 64 inputs, target qkv_proj takes 128 \(and 8 more")
+    msg = refused(lm_spec(hidden_size=128), path,
+                  r"k_proj: A \[4, 64\] takes 64 inputs, target qkv_proj takes 128 \(and 8 more")
     assert "gate_proj" in msg and "down_proj" in msg, "every misfitting module is named in one error"
 
 
@@ -141,7 +143,7 @@ def test_refuses_a_conv_kernel_that_differs(tmp_path):
 
 
 def test_refuses_only_adapter_model_bin(tmp_path):
-    pm, path = make_adapter(tmp_path)
+    pm, _path = make_adapter(tmp_path)
     pm.save_pretrained(tmp_path / "bin", safe_serialization=False)
     refused(lm_spec(), tmp_path / "bin", "only adapter_model.bin")
 

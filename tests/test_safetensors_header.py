@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 
@@ -54,7 +55,7 @@ CORRUPT = {
     "oversized header": (lambda: struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}", "over the 104857600-byte limit"),
     "too short": (lambda: b"\x01\x02", "too short"),
     "trailing bytes": (lambda: raw_file({"a": entry()}, b"\0" * 9), "short of the file's 9 data bytes"),
-    "duplicate tensor name": (lambda: raw_text('{"a":%s,"a":%s}' % (json.dumps(entry()), json.dumps(entry())),
+    "duplicate tensor name": (lambda: raw_text(f'{{"a":{json.dumps(entry())},"a":{json.dumps(entry())}}}',
                                                b"\0" * 8), "appears twice"),
     "bad metadata": (lambda: raw_file({"__metadata__": {"a": 1}}), "string-to-string"),
 }
@@ -98,10 +99,8 @@ def test_the_header_read_is_bounded_by_the_file(tmp_path):
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=300))
 def test_arbitrary_bytes_give_a_header_or_a_value_error(data):
-    try:
+    with contextlib.suppress(ValueError):
         assert isinstance(parse_header(data, len(data)), Header)
-    except ValueError:
-        pass
 
 
 json_values = st.recursive(

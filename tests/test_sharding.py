@@ -9,7 +9,7 @@ from tiny import LM_TARGETS, make_adapter, model_config
 
 from mstar.engine.resources.lora.models import specs_from_config
 from mstar.engine.resources.lora.spec import LoraTarget, shard_units
-from mstar.engine.resources.lora.store import LoraAdapterStore
+from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_file
 
 # (units, unit rows, rank, world_size) -> rows [start, stop)
 SHARD_TABLE = [
@@ -63,9 +63,11 @@ def vl_adapter(tmp_path_factory):
 def test_shards_recombine_into_the_unsharded_delta(vl_adapter, world_size):
     config, pm, path = vl_adapter
     g = torch.Generator().manual_seed(world_size)
-    for spec in specs_from_config(config, max_rank=8).values():
-        whole = LoraAdapterStore(spec, pin=False, dtype=torch.float32).read("ad", path)
-        shards = [LoraAdapterStore(spec, k, world_size, pin=False, dtype=torch.float32).read("ad", path)
+    specs = list(specs_from_config(config, max_rank=8).values())
+    digest = check_adapter_file(specs[0], "ad", path, specs[1:])
+    for spec in specs:
+        whole = LoraAdapterStore(spec, pin=False, dtype=torch.float32).read("ad", path, digest)
+        shards = [LoraAdapterStore(spec, k, world_size, pin=False, dtype=torch.float32).read("ad", path, digest)
                   for k in range(world_size)]
         assert {s.digest for s in shards} == {whole.digest}, "every rank and world size agrees on the digest"
         for module, layer in lora_modules(pm).items():
@@ -117,4 +119,5 @@ def test_each_shard_is_its_part_of_the_whole(vl_adapter):
         assert torch.equal(s.b["down_proj"], whole.b["down_proj"])
         # gate_up_proj: each of gate and up by rows, 12 of 96 each
         g = whole.b["gate_up_proj"]
-        assert torch.equal(s.b["gate_up_proj"], torch.cat([g[:, 12 * k : 12 * k + 12], g[:, 96 + 12 * k : 108 + 12 * k]], 1))
+        gate, up = g[:, 12 * k : 12 * k + 12], g[:, 96 + 12 * k : 108 + 12 * k]
+        assert torch.equal(s.b["gate_up_proj"], torch.cat([gate, up], 1))

@@ -139,7 +139,7 @@ def test_many_threads_at_once_keep_every_rule(adapter_path):
                         bad.append(got)
                 else:
                     s.drop(n)
-        except Exception as e:  # noqa: BLE001 - any exception at all fails the test below
+        except Exception as e:
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
@@ -151,6 +151,13 @@ def test_many_threads_at_once_keep_every_rule(adapter_path):
     assert len(s) <= 4, "at most one name past capacity, from the last hold's keep"
     s.hold("final")
     assert len(s) == 3
+
+
+def test_read_without_digest_reads_only_the_shard_and_has_no_digest(adapter_path):
+    s = store()
+    assert s.read("a", adapter_path).digest == b""
+    digest = check_adapter_file(s.spec, "a", adapter_path)
+    assert s.read("a", adapter_path, digest).digest == digest
 
 
 def test_pin_false_gives_ordinary_memory(adapter_path):

@@ -24,7 +24,8 @@ def model_config(arch: str, **over) -> dict:
     if arch in ("qwen2_vl", "qwen2_5_vl"):
         text["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}
         vision = VISION if arch == "qwen2_vl" else VISION_25
-        return {"model_type": arch, "text_config": {**text, "model_type": arch + "_text"}, "vision_config": dict(vision)}
+        text["model_type"] = arch + "_text"
+        return {"model_type": arch, "text_config": text, "vision_config": dict(vision)}
     return {"model_type": arch, **text}
 
 

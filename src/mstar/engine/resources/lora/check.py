@@ -163,6 +163,18 @@ def check_adapter_file(
     Raises ValueError for an adapter the deployment cannot serve."""
     ckpt = open_checkpoint(path, name)
     specs = (spec, *others)
+    problems = adapter_problems(specs, ckpt)
+    if problems:
+        raise ckpt.refusal(module_reasons(problems))
+    digests: dict = {}
+    for s in specs:  # once per way the specs convert the checkpoint
+        if s.convert_keys not in digests:
+            digests[s.convert_keys] = adapter_digest(ckpt, s.convert_keys)
+    return digests[spec.convert_keys]
+
+
+def adapter_problems(specs: Sequence[LoraSpec], ckpt: Checkpoint) -> dict[str, str]:
+    """module -> why, over every node: misfits anywhere, and modules no node maps."""
     infos = [_inspect(s, ckpt) for s in specs]
     problems: dict[str, str] = {}
     names = ", ".join(s.name for s in specs)
@@ -170,13 +182,7 @@ def check_adapter_file(
         problems[module] = f"no target of {names} maps it"
     for info in infos:
         problems.update(info.misfits)
-    if problems:
-        raise ckpt.refusal(module_reasons(problems))
-    digests = {}
-    for s in specs:
-        if s.convert_keys not in digests:
-            digests[s.convert_keys] = adapter_digest(ckpt, s.convert_keys)
-    return digests[spec.convert_keys]
+    return problems
 
 
 def check_adapters(spec: LoraSpec, others: Sequence[LoraSpec] = ()) -> dict[str, bytes]:

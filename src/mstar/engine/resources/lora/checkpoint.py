@@ -63,8 +63,14 @@ class Checkpoint:
         return refusal(self.name, self.weights, reasons)
 
     def modules(self, convert_keys: ConvertKeys) -> dict[str, dict[str, TensorEntry]]:
-        """module -> role -> tensor, as convert_keys reads the keys."""
-        return _group(self.header.tensors, convert_keys)
+        """module -> role -> tensor, as convert_keys reads the keys (computed once per conversion)."""
+        if convert_keys not in self._modules:
+            self._modules[convert_keys] = _group(self.header.tensors, convert_keys)
+        return self._modules[convert_keys]
+
+    @cached_property
+    def _modules(self) -> dict[ConvertKeys, dict[str, dict[str, TensorEntry]]]:
+        return {}
 
     @cached_property
     def size(self) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .check import adapter_problems, module_reasons
 from .checkpoint import default_name, open_checkpoint
 from .models import presets, specs_from_config
 from .spec import LoraSpec
@@ -42,39 +43,31 @@ def table(rows: list[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def _row(specs: dict[str, LoraSpec], name: str, path: str) -> dict:
+def _row(specs: dict[str, LoraSpec], name: str, path: str) -> tuple[dict, list[str]]:
+    """The table row of one adapter from its header alone, and why it cannot be served (if so)."""
     row: dict = {"adapter": name, "path": path}
     try:
         ckpt = open_checkpoint(path, name)
-        row["size"] = _size(ckpt.size)
-        infos = {node: inspect_adapter(spec, path) for node, spec in specs.items()}
-        row["rank"] = max(i.rank for i in infos.values())
-        touched = [{spec.locate(m)[0] for m in i.misfits if spec.locate(m)} | i.targets
-                   for spec, i in zip(specs.values(), infos.values(), strict=True)]
-        row["targets"] = ",".join(t for ts in touched for t in sorted(ts))
-    except ValueError:
-        pass
-    return row
+    except ValueError as e:
+        return row, [str(e)]
+    row["size"] = _size(ckpt.size)
+    nodes = list(specs.values())
+    infos = [inspect_adapter(spec, path) for spec in nodes]
+    row["rank"] = max(i.rank for i in infos)
+    row["scaling"] = f"{ckpt.config.scaling:g}"
+    problems = adapter_problems(nodes, ckpt)
+    touched = [{spec.locate(m)[0] for m in problems if spec.locate(m)} | i.targets
+               for spec, i in zip(nodes, infos, strict=True)]
+    row["targets"] = ",".join(t for ts in touched for t in sorted(ts))
+    return row, module_reasons(problems) if problems else []
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     specs = specs_from_config(args.model, max_rank=args.max_rank)
     rows = []
     for name, path in _adapters(args.adapters).items():
-        row = _row(specs, name, path)
-        try:
-            ckpt = open_checkpoint(path, name)
-            problems = []
-            for node, spec in specs.items():
-                info = inspect_adapter(spec, path)
-                problems += [f"{m}: {w}" for m, w in info.misfits.items()]
-            unmapped = set.intersection(*(set(inspect_adapter(s, path).unmapped) for s in specs.values()))
-            problems += [f"{m}: no target maps it" for m in sorted(unmapped)]
-            row["scaling"] = ckpt.config.scaling
-            row["modules"] = {m: ckpt.config.module_scaling(m) for m in ckpt.modules(next(iter(specs.values())).convert_keys)}
-            row["verdict"] = "ok" if not problems else "; ".join(problems)
-        except ValueError as e:
-            row["verdict"] = str(e)
+        row, problems = _row(specs, name, path)
+        row["verdict"] = "ok" if not problems else "; ".join(problems)
         rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -95,7 +88,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     nodes = list(specs.values())
     rows, bad = [], []
     for name, path in tqdm(adapters.items(), desc="checking", unit="adapter", disable=None, file=sys.stderr):
-        row = _row(specs, name, path)
+        row, _ = _row(specs, name, path)
         try:
             row["digest"] = check_adapter_file(nodes[0], name, path, nodes[1:]).hex()[:16]
             row["verdict"] = "ok"

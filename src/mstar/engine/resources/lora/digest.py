@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 from collections.abc import Iterator
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 import blake3
 
 from .checkpoint import Checkpoint, ConvertKeys
+from .safetensors_header import TensorEntry
 
 # Bumped whenever what the digest covers changes, so old and new digests never collide.
 DOMAIN = b"mstar-lora adapter digest v1\0"
@@ -27,31 +29,55 @@ def mapped(checkpoint: Checkpoint) -> Iterator[mmap.mmap]:
             raise checkpoint.refusal(["the file changed size while it was read"])
         yield mm
     finally:
-        try:
+        with contextlib.suppress(BufferError):  # a tensor view still holds it; it closes when that view dies
             mm.close()
-        except BufferError:  # a tensor view still holds it; it closes when that view dies
-            pass
 
 
-def adapter_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, mm: mmap.mmap | None = None) -> bytes:
-    """The BLAKE3 digest of every module's name, role, dtype, shape, bytes and scaling, in name order.
+def adapter_digest(
+    checkpoint: Checkpoint, convert_keys: ConvertKeys, mm: mmap.mmap | None = None, data: bytes | None = None
+) -> bytes:
+    """The BLAKE3 digest of every module's name, role, dtype, shape and scaling, in name order, and of
+    their bytes in that order (data_digest, when the caller has it already).
 
     So it is the same on every node, rank and world size whatever the file's tensor order, and
     changes with any served byte or scaling.
     """
-    if mm is None:
-        with mapped(checkpoint) as mm:
-            return adapter_digest(checkpoint, convert_keys, mm)
+    if data is None:
+        if mm is None:
+            with mapped(checkpoint) as mm:
+                return adapter_digest(checkpoint, convert_keys, mm)
+        data = data_digest(checkpoint, convert_keys, mm)
+    manifest = []
+    for module, roles in sorted(checkpoint.modules(convert_keys).items()):
+        scaling = checkpoint.config.module_scaling(module).hex()
+        manifest += [[module, role, e.dtype, list(e.shape), scaling] for role, e in sorted(roles.items())]
+    head = json.dumps(manifest).encode()
+    return blake3.blake3(DOMAIN + len(head).to_bytes(8, "little") + head + data).digest()
+
+
+def data_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, mm: mmap.mmap) -> bytes:
+    """The BLAKE3 of the tensors' bytes in name order. Runs that lie in the file in that order (all
+    of them, for a file safetensors wrote) are hashed as one range, on every core, GIL released."""
+    order = [e for _, roles in sorted(checkpoint.modules(convert_keys).items()) for _, e in sorted(roles.items())]
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    h.update(DOMAIN)
     view = memoryview(mm)
     try:
-        for module, roles in sorted(checkpoint.modules(convert_keys).items()):
-            scaling = checkpoint.config.module_scaling(module)
-            for role, e in sorted(roles.items()):
-                head = json.dumps([module, role, e.dtype, list(e.shape), scaling.hex()]).encode()
-                h.update(len(head).to_bytes(8, "little") + head)
-                h.update(view[e.start : e.stop])
+        for start, stop in _runs(order):
+            h.update(view[start:stop])
     finally:
         view.release()
     return h.digest()
+
+
+def _runs(tensors: list[TensorEntry]) -> Iterator[tuple[int, int]]:
+    """The tensors' byte ranges in order, adjacent ones merged."""
+    start = stop = None
+    for e in tensors:
+        if e.start == stop:
+            stop = e.stop
+            continue
+        if start is not None:
+            yield start, stop
+        start, stop = e.start, e.stop
+    if start is not None:
+        yield start, stop

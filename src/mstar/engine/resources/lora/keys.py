@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 PEFT_PREFIX = "base_model.model."
 
 # Suffixes PEFT writes after a module name, and the role each gives. Only A and B are served;
@@ -31,6 +33,7 @@ ROLE_REASONS = {
 }
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def peft_keys(key: str) -> tuple[str, str]:
     """(module, role) of a PEFT checkpoint key; module is named less PEFT's base_model.model."""
     name = key.removeprefix(PEFT_PREFIX)

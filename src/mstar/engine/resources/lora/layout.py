@@ -8,6 +8,7 @@ rank holds, columns 0 : r, with its B. Everything else is zero.
 from __future__ import annotations
 
 import mmap
+from typing import NamedTuple
 
 import torch
 
@@ -47,7 +48,10 @@ def tensor_at(mm: mmap.mmap, e: TensorEntry) -> torch.Tensor:
 def read_layout(
     ckpt: Checkpoint, spec: LoraSpec, mm: mmap.mmap, rank: int, world_size: int, dtype: torch.dtype, pin: bool
 ) -> tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(largest rank served, a, b) for this rank, in one host buffer of exactly the layout's size."""
+    """(largest rank served, a, b) for this rank, in one host buffer of exactly the layout's size.
+
+    The buffer comes zeroed from the kernel, so padding and untouched layers cost nothing.
+    """
     placed = place(ckpt, spec)
     R = spec.max_rank
     shapes = []
@@ -60,15 +64,14 @@ def read_layout(
     top, scaling = 0, adapter_scaling(ckpt)
     for name, modules in placed.items():
         t = spec.targets[name]
-        filled: dict[tuple[int, int], int] = {}
-        for layer, s, module, ea, eb in modules:
-            r = ea.shape[0]
-            ratio = ckpt.config.module_scaling(module) / scaling
-            copy_module(t, a[name][layer], b[name][layer], tensor_at(mm, ea), tensor_at(mm, eb), s, ratio, R, rank, world_size)
-            for sl in _slices(t, s):
-                filled[(layer, sl)] = r
-            top = max(top, r)
-        zero_rest(t, a[name], b[name], filled, R, world_size)
+        pieces = [
+            piece
+            for layer, s, module, ea, eb in modules
+            for piece in shard_pieces(t, layer, s, tensor_at(mm, ea), tensor_at(mm, eb),
+                                      ckpt.config.module_scaling(module) / scaling, R, rank, world_size)
+        ]
+        top = max([top] + [p.r for p in pieces])
+        write_pieces(t, a[name], b[name], pieces, R, t.out_shards(world_size))
     return top, a, b
 
 
@@ -76,47 +79,53 @@ def _slices(t: LoraTarget, s: int | None) -> range:
     return range(t.slices) if s is None else range(s, s + 1)
 
 
-def copy_module(
-    t: LoraTarget,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    s: int | None,
-    ratio: float,
-    R: int,
-    rank: int,
-    world_size: int,
-) -> None:
-    """One module's A and B into one layer's a [slices*R, in_shard] and b [out_shard, R].
+class Piece(NamedTuple):
+    """One module's factors for one slice of one layer, already cut to this rank's shard."""
 
-    The sharding rule: a row target splits A's input columns (B whole); a column target keeps
-    A whole and gives each slice's B rows to ranks by heads (or rows); a module covering every
-    slice (s None) has its A written into each slice and its B split at the slices' widths.
-    """
-    r = A.shape[0]
+    layer: int
+    slice: int
+    r: int
+    a: torch.Tensor  # [r, in_shard]
+    b: torch.Tensor  # [this rank's rows of the slice, r]
+    ratio: float
+
+
+def shard_pieces(
+    t: LoraTarget, layer: int, s: int | None, A: torch.Tensor, B: torch.Tensor, ratio: float, R: int,
+    rank: int, world_size: int,
+) -> list[Piece]:
+    """The sharding rule, for one module: a row target splits A's input columns and keeps B whole;
+    a column target keeps A whole and gives each slice's B rows to ranks by heads (or rows); a
+    module covering every slice (s None) gives each slice its A and its rows of B."""
     c0, c1 = t.a_columns(rank, world_size)
-    if ratio != 1.0:  # the module's own scaling, folded in float32 before the cast
-        B = B.float() * ratio
-    out_shards = t.out_shards(world_size)
+    pieces = []
     for sl in _slices(t, s):
-        a[sl * R : sl * R + r].copy_(A[:, c0:c1])
         r0, r1 = t.b_rows(sl, rank, world_size)
         src0 = 0 if s is not None else sum(t.out_features[:sl])
-        dst0 = sum(out_shards[:sl])
-        b[dst0 : dst0 + r1 - r0, :r].copy_(B[src0 + r0 : src0 + r1])
+        pieces.append(Piece(layer, sl, A.shape[0], A[:, c0:c1], B[src0 + r0 : src0 + r1], ratio))
+    return pieces
 
 
-def zero_rest(
-    t: LoraTarget, a: torch.Tensor, b: torch.Tensor, filled: dict[tuple[int, int], int], R: int, world_size: int
+def write_pieces(
+    t: LoraTarget, a: torch.Tensor, b: torch.Tensor, pieces: list[Piece], R: int, out_shards: tuple[int, ...]
 ) -> None:
-    """Zero every row of a and column of b that no module filled: padding and untouched layers."""
-    out_shards = t.out_shards(world_size)
-    for layer in range(t.layers):
-        dst0 = 0
-        for sl in range(t.slices):
-            r = filled.get((layer, sl), 0)
-            if r < R:
-                a[layer, sl * R + r : (sl + 1) * R].zero_()
-                b[layer, dst0 : dst0 + out_shards[sl], r:].zero_()
-            dst0 += out_shards[sl]
+    """Pieces into a [layers, slices*R, in_shard] and b [layers, out_shard, R].
+
+    Piece (l, s, r) fills a[l, s*R : s*R + r] and, in b[l], slice s's rows, columns 0 : r. When the
+    pieces cover every layer and slice at full rank with no scaling to fold, the layout is their
+    concatenation in (layer, slice) order: one copy per factor instead of one per module.
+    """
+    S = t.slices
+    dense = (len(pieces) == t.layers * S and all(p.r == R and p.ratio == 1.0 for p in pieces)
+             and len({(p.layer, p.slice) for p in pieces}) == len(pieces))
+    if dense:
+        pieces = sorted(pieces, key=lambda p: (p.layer, p.slice))
+        torch.cat([p.a for p in pieces], 0, out=a.view(-1, a.shape[-1]))
+        torch.cat([p.b for p in pieces], 0, out=b.view(-1, R))
+        return
+    starts = [sum(out_shards[:sl]) for sl in range(S)]
+    for p in pieces:
+        a[p.layer, p.slice * R : p.slice * R + p.r].copy_(p.a)
+        rows = slice(starts[p.slice], starts[p.slice] + p.b.shape[0])
+        # the module's own scaling, folded in float32 before the cast
+        b[p.layer, rows, : p.r].copy_(p.b if p.ratio == 1.0 else p.b.float() * p.ratio)

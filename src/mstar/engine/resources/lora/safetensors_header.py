@@ -95,14 +95,17 @@ def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
 
 
 def _entry(name: str, value: object, data_start: int) -> TensorEntry:
-    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data_offsets"}:
+    if type(value) is not dict or len(value) != 3:
         raise ValueError(f"tensor {name!r}: entry needs exactly dtype, shape and data_offsets")
-    dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
-    if dtype not in DTYPES:
+    try:
+        dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
+    except KeyError:
+        raise ValueError(f"tensor {name!r}: entry needs exactly dtype, shape and data_offsets") from None
+    if type(dtype) is not str or dtype not in DTYPES:
         raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
         raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_uint(o) for o in offsets):
+    if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
         raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
     begin, end = offsets
     size = math.prod(shape) * DTYPES[dtype].itemsize
@@ -112,10 +115,6 @@ def _entry(name: str, value: object, data_start: int) -> TensorEntry:
             f"its {dtype} {shape} needs {size}"
         )
     return TensorEntry(dtype, tuple(shape), data_start + begin, data_start + end)
-
-
-def _is_uint(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _check_packing(tensors: dict[str, TensorEntry], data_start: int, data_size: int) -> None:

@@ -157,14 +157,25 @@ class LoraSpec:
     def _compiled(self) -> tuple[tuple[re.Pattern[str], str, int | None], ...]:
         return tuple((re.compile(p), t, s) for p, t, s in self.patterns)
 
+    @cached_property
+    def _located(self) -> dict[str, Location | None]:
+        return {}
+
     def locate(self, module: str) -> Location | None:
         """(target, layer, slice) of a checkpoint module name, or None if no target maps it."""
+        try:
+            return self._located[module]
+        except KeyError:
+            pass
+        found = None
         for regex, target, s in self._compiled:
             m = regex.fullmatch(module)
             if m:
-                layer = int(m.group("layer")) if "layer" in regex.groupindex else 0
-                return target, layer, s
-        return None
+                found = target, int(m.group("layer")) if "layer" in regex.groupindex else 0, s
+                break
+        if len(self._located) < 1 << 20:  # adapters of one model share their module names
+            self._located[module] = found
+        return found
 
     def check_world(self, world_size: int) -> None:
         """Raise ValueError naming the first target that cannot shard over world_size ranks."""

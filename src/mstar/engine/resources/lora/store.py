@@ -50,7 +50,9 @@ class LoadedAdapter:
     a[target] is [target layers, slices * max_rank, in] and b[target] is [target layers, out,
     max_rank], both already this rank's shard. A target the adapter does not touch is absent.
     digest is adapter_digest of the unsharded weights, so every rank agrees on it, computed as
-    the API server computes the one it roots the adapter's prefix-cache keys in.
+    the API server computes the one it roots the adapter's prefix-cache keys in. It is verified
+    against the file's bytes when read was given it; read without one (which then reads only
+    this rank's shard) leaves it empty, and such an adapter has no prefix-cache root.
     """
 
     name: str
@@ -160,14 +162,15 @@ class LoraAdapterStore:
         ckpt = open_checkpoint(path, name)
         refuse_misfits(self.spec, ckpt)
         with mapped(ckpt) as mm:
-            found = adapter_digest(ckpt, self.spec.convert_keys, mm)
-            if digest is not None and found != digest:
-                raise ckpt.refusal(
-                    [f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was "
-                     "checked with: the file changed since"]
-                )
+            if digest is not None:
+                found = adapter_digest(ckpt, self.spec.convert_keys, mm)
+                if found != digest:
+                    raise ckpt.refusal(
+                        [f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was checked "
+                         "with: the file changed since"]
+                    )
             top, a, b = read_layout(ckpt, self.spec, mm, self.rank, self.world_size, self.dtype, self.pin)
-        return LoadedAdapter(name, found, top, adapter_scaling(ckpt), a, b)
+        return LoadedAdapter(name, digest or b"", top, adapter_scaling(ckpt), a, b)
 
     def load(self, name: str, path: str | os.PathLike[str], digest: bytes | None = None) -> LoadedAdapter:
         """Hold name and read it from path unless its copy is in."""

@@ -19,8 +19,9 @@ def lm_targets(config: Mapping[str, Any]) -> dict[str, LoraTarget]:
     kv = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
     inter = config["intermediate_size"]
+    qkv = (heads * head_dim, kv * head_dim, kv * head_dim)
     return {
-        "qkv_proj": LoraTarget(layers, hidden, (heads * head_dim, kv * head_dim, kv * head_dim), "column", (heads, kv, kv)),
+        "qkv_proj": LoraTarget(layers, hidden, qkv, "column", (heads, kv, kv)),
         "o_proj": LoraTarget(layers, heads * head_dim, (hidden,), "row"),
         "gate_up_proj": LoraTarget(layers, hidden, (inter, inter), "column"),
         "down_proj": LoraTarget(layers, inter, (hidden,), "row"),

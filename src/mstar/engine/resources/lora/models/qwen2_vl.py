@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +25,7 @@ def vision_spec(vision: Mapping[str, Any], *, swiglu: bool, **kw: Any) -> LoraSp
     targets = {
         "qkv": LoraTarget(depth, dim, (dim, dim, dim), "column", (heads, heads, heads)),
         "proj": LoraTarget(depth, dim, (dim,), "row"),
-        "patch_embed": LoraTarget(1, channels * kernel[0] * kernel[1] * kernel[2], (dim,), "replicated", kernel=kernel),
+        "patch_embed": LoraTarget(1, channels * math.prod(kernel), (dim,), "replicated", kernel=kernel),
     }
     block = VISION_PREFIX + r"\.blocks\.(?P<layer>\d+)\."
     patterns = [

@@ -1,0 +1,54 @@
+"""Shared pieces of the benchmarks: the Llama-3-8B-shaped adapter, timing, memory readings."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from mstar.engine.resources.lora.models import specs_from_config
+from mstar.engine.resources.lora.samples import sample_modules, write_peft_adapter
+
+
+def llama8b_spec(max_rank: int = 16, **kw):
+    return specs_from_config("llama-3.1-8b", max_rank=max_rank, **kw)["language_model"]
+
+
+def write_adapters(root: Path) -> tuple[Path, Path]:
+    """The 8B-shaped r=16 bf16 adapter (all 7 linears, 32 layers, about 84 MB) and a 1 MB one."""
+    spec = llama8b_spec()
+    large = write_peft_adapter(root / "large", sample_modules(spec, 16, dtype=torch.bfloat16), alpha=32)
+    small = write_peft_adapter(root / "small", sample_modules(spec, 6, dtype=torch.bfloat16, layers=range(1)),
+                               alpha=12)
+    return large, small
+
+
+def best(fn: Callable[[], object], repeat: int = 7) -> float:
+    """The fastest of repeat runs, in seconds: the least disturbed by a noisy machine."""
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def side_by_side(fns: dict[str, Callable[[], object]], repeat: int = 7) -> dict[str, float]:
+    """Each function's best time, the runs interleaved so drift hits all of them alike."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: min(v) for k, v in times.items()}
+
+
+def status_kb(field: str) -> int:
+    for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
