@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import mmap
 import weakref
 
@@ -42,20 +43,21 @@ def carve(buf: torch.Tensor, shapes: list[tuple[int, ...]], dtype: torch.dtype) 
     """Views of buf, one per shape, at ALIGN-aligned offsets in order."""
     out, at = [], 0
     for shape in shapes:
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         out.append(buf[at : at + nbytes].view(dtype).view(shape))
         at += aligned(nbytes)
     return out
 
 
 def buffer_bytes(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
-    total = 0
-    for shape in shapes:
-        n = 1
-        for d in shape:
-            n *= d
-        total += aligned(n * dtype.itemsize)
-    return total
+    return sum(aligned(math.prod(shape) * dtype.itemsize) for shape in shapes)
+
+
+def target_block(a_shape: tuple[int, ...], b_shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
+    """(b's offset, the block's length), in elements, of one target's a then b as carve lays them out.
+
+    The device pool lays each slot out the same way, so a target moves in one copy.
+    """
+    a_bytes = math.prod(a_shape) * dtype.itemsize
+    b_start = aligned(a_bytes) // dtype.itemsize
+    return b_start, b_start + math.prod(b_shape)

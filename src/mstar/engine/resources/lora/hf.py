@@ -1,0 +1,100 @@
+"""The pool hooked into a transformers model: each adapted linear (or conv) gets the pool's delta.
+
+This is how the demo and the end-to-end tests run a mixed batch; an engine's own fused layers
+would call add_lora the same way. With world_size > 1 the base weights are sharded by the same
+rule as the adapters and row-parallel outputs are all-reduced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .apply import add_lora
+from .pool import LoraDevicePool
+from .spec import LoraTarget
+
+
+class TokenSlots:
+    """Which slot each token of the next forward uses, per node: rows of the language model's batch,
+    and the vision tower's patches (in the order the tower sees them). -1 is no adapter."""
+
+    def __init__(self) -> None:
+        self.rows = torch.empty(0, dtype=torch.long)
+        self.patches = torch.empty(0, dtype=torch.long)
+
+    def for_tokens(self, node: str, tokens: int) -> torch.Tensor:
+        if node == "vision_tower":
+            if len(self.patches) != tokens:
+                raise ValueError(f"{tokens} vision tokens, but slots were given for {len(self.patches)}")
+            return self.patches
+        if tokens % max(len(self.rows), 1):
+            raise ValueError(f"{tokens} tokens do not split into {len(self.rows)} rows")
+        return self.rows.repeat_interleave(tokens // len(self.rows))
+
+
+class LoraLayer(nn.Module):
+    """A base linear or conv, sharded for this rank, plus the pool's delta for each token's slot."""
+
+    def __init__(self, base: nn.Module, pool: LoraDevicePool, node: str, target: str, layer: int,
+                 slice_: int | None, slots: TokenSlots) -> None:
+        super().__init__()
+        self.base, self.pool, self.node, self.target, self.layer, self.slice_ = base, pool, node, target, layer, slice_
+        self.slots = slots
+        t = pool.spec.targets[target]
+        self.reduce = t.parallel == "row" and pool.world_size > 1
+        if pool.world_size > 1:
+            shard_base(base, t, slice_, pool.rank, pool.world_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        tokens = x.shape[0] if isinstance(self.base, nn.Conv3d) else x[..., 0].numel()
+        flat_x = x.reshape(tokens, -1)
+        flat_y = y.view(tokens, -1)  # a conv whose kernel is its stride gives [patches, out, 1, 1, 1]
+        add_lora(flat_y, flat_x, self.pool, self.target, self.layer, self.slots.for_tokens(self.node, tokens),
+                 self.slice_)
+        if self.reduce:
+            dist.all_reduce(y)
+        return y
+
+
+def shard_base(base: nn.Module, t: LoraTarget, slice_: int | None, rank: int, world_size: int) -> None:
+    """The base layer's weight cut to this rank by the adapters' rule: a column target keeps each
+    slice's rows for this rank, a row target its input columns (bias on rank 0 alone, as it is
+    summed), a replicated one everything."""
+    w = base.weight.data
+    bias = base.bias.data if getattr(base, "bias", None) is not None else None
+    if t.parallel == "column":
+        rows, start = [], 0
+        for s in range(t.slices) if slice_ is None else (slice_,):
+            r0, r1 = t.b_rows(s, rank, world_size)
+            rows.append(torch.arange(start + r0, start + r1))
+            start += t.out_features[s] if slice_ is None else 0
+        keep = torch.cat(rows)
+        base.weight = nn.Parameter(w[keep].clone(), requires_grad=False)
+        if bias is not None:
+            base.bias = nn.Parameter(bias[keep].clone(), requires_grad=False)
+    elif t.parallel == "row":
+        c0, c1 = t.a_columns(rank, world_size)
+        base.weight = nn.Parameter(w[:, c0:c1].clone(), requires_grad=False)
+        if bias is not None and rank != 0:
+            base.bias = nn.Parameter(torch.zeros_like(bias), requires_grad=False)
+
+
+def attach(model: nn.Module, pools: Mapping[str, LoraDevicePool], slots: TokenSlots) -> list[str]:
+    """Replace every module of model that a pool's spec maps with a LoraLayer; their names."""
+    done = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, (nn.Linear, nn.Conv3d)):
+            continue
+        for node, pool in pools.items():
+            loc = pool.spec.locate(name)
+            if loc is not None:
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, LoraLayer(module, pool, node, *loc, slots))
+                done.append(name)
+                break
+    return done

@@ -1,0 +1,133 @@
+"""The device tier: adapter slots on the accelerator, filled one copy per target."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import torch
+
+from .host_memory import aligned, target_block
+from .spec import LoraSpec
+from .store import LoadedAdapter
+
+
+class LoraDevicePool:
+    """Slots for adapters on one device, laid out like the host tier's copies.
+
+    Per target, slot k holds a [layers, slices * max_rank, in_shard] and then b [layers, out_shard,
+    max_rank], at the offsets the host tier uses, so a held adapter's target moves in one copy.
+    Slots are reused least recently activated first, never one the running batch needs.
+    """
+
+    def __init__(
+        self,
+        spec: LoraSpec,
+        slots: int,
+        device: torch.device | str = "cpu",
+        rank: int = 0,
+        world_size: int = 1,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"a pool needs at least one slot, not {slots}")
+        spec.check_world(world_size)
+        self.spec, self.rank, self.world_size = spec, rank, world_size
+        self.dtype = dtype or spec.dtype
+        self.device = torch.device(device)
+        R = spec.max_rank
+        self.slabs: dict[str, torch.Tensor] = {}
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        for name, t in spec.targets.items():
+            a_shape, b_shape = t.a_shape(R, world_size), t.b_shape(R, world_size)
+            b_start, end = target_block(a_shape, b_shape, self.dtype)
+            row = aligned(end * self.dtype.itemsize) // self.dtype.itemsize
+            slab = torch.zeros(slots, row, dtype=self.dtype, device=self.device)
+            self.slabs[name] = slab
+            self.a[name] = slab[:, : math.prod(a_shape)].view(slots, *a_shape)
+            self.b[name] = slab[:, b_start:end].view(slots, *b_shape)
+        self.scaling = torch.zeros(slots, dtype=torch.float32, device=self.device)
+        self._names: list[str | None] = [None] * slots
+        self._digests: list[bytes] = [b""] * slots
+        self._recent: OrderedDict[int, None] = OrderedDict((k, None) for k in range(slots))
+        self.copies = 0
+        self.fills = 0
+        self.bytes_moved = 0
+
+    @property
+    def slots(self) -> int:
+        return len(self._names)
+
+    def slot_of(self, name: str) -> int | None:
+        """The slot holding name, or None."""
+        try:
+            return self._names.index(name)
+        except ValueError:
+            return None
+
+    def resident(self) -> list[str | None]:
+        """Each slot's adapter name, None for an empty slot."""
+        return list(self._names)
+
+    def activate(self, adapter: LoadedAdapter, keep: Iterable[str] = ()) -> int:
+        """The slot holding adapter, copying it in (one copy per target it has, one fill per target it
+        lacks) unless it is already there. keep names the adapters the running batch uses, whose
+        slots are never taken."""
+        slot = self.slot_of(adapter.name)
+        if slot is not None and self._digests[slot] == adapter.digest:
+            self._recent.move_to_end(slot)
+            return slot
+        if slot is None:
+            slot = self._free_slot(set(keep))
+        self._check(adapter)
+        for name, slab in self.slabs.items():
+            if name in adapter.a:
+                src = host_block(adapter, name)
+                slab[slot, : src.numel()].copy_(src, non_blocking=src.is_pinned())
+                self.copies += 1
+                self.bytes_moved += src.numel() * src.element_size()
+            else:  # no weights of the last adapter may leak into this one
+                slab[slot].zero_()
+                self.fills += 1
+        self.scaling[slot] = adapter.scaling
+        self._names[slot], self._digests[slot] = adapter.name, adapter.digest
+        self._recent.move_to_end(slot)
+        return slot
+
+    def deactivate(self, name: str) -> None:
+        """Free name's slot (its weights stay until the slot is reused, and are then overwritten)."""
+        slot = self.slot_of(name)
+        if slot is not None:
+            self._names[slot], self._digests[slot] = None, b""
+            self._recent.move_to_end(slot, last=False)
+
+    def _free_slot(self, keep: set[str]) -> int:
+        for slot in self._recent:  # least recent first; empty slots were moved to the front
+            if self._names[slot] is None or self._names[slot] not in keep:
+                return slot
+        raise RuntimeError(f"all {self.slots} slots hold adapters the running batch needs: {sorted(keep)}")
+
+    def _check(self, adapter: LoadedAdapter) -> None:
+        for name, a in adapter.a.items():
+            if name not in self.a:
+                raise ValueError(f"adapter {adapter.name!r}: target {name} is not one of this pool's")
+            b = adapter.b[name]
+            if a.shape != self.a[name].shape[1:] or b.shape != self.b[name].shape[1:] or a.dtype != self.dtype:
+                raise ValueError(
+                    f"adapter {adapter.name!r}: target {name} is {a.dtype} {list(a.shape)} / {list(b.shape)}, this "
+                    f"pool's slots are {self.dtype} {list(self.a[name].shape[1:])} / {list(self.b[name].shape[1:])}"
+                    " (another max_rank, rank or world size?)"
+                )
+
+
+def host_block(adapter: LoadedAdapter, target: str) -> torch.Tensor:
+    """target's a and b as one flat view of the host buffer (they lie there back to back, as in a slot)."""
+    a, b = adapter.a[target], adapter.b[target]
+    b_start, end = target_block(tuple(a.shape), tuple(b.shape), a.dtype)
+    if b.untyped_storage().data_ptr() != a.untyped_storage().data_ptr() or (
+        b.storage_offset() != a.storage_offset() + b_start
+    ):
+        raise ValueError(f"adapter {adapter.name!r}: target {target}'s a and b are not laid out as one block")
+    return torch.empty(0, dtype=a.dtype).set_(a.untyped_storage(), a.storage_offset(), (end,))
