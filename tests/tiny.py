@@ -25,7 +25,9 @@ def model_config(arch: str, **over) -> dict:
         text["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}
         vision = VISION if arch == "qwen2_vl" else VISION_25
         text["model_type"] = arch + "_text"
-        return {"model_type": arch, "text_config": text, "vision_config": dict(vision)}
+        tokens = {"image_token_id": 120, "video_token_id": 121,
+                  "vision_start_token_id": 122, "vision_end_token_id": 123}
+        return {"model_type": arch, "text_config": text, "vision_config": dict(vision), **tokens}
     return {"model_type": arch, **text}
 
 

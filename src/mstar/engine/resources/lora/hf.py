@@ -49,6 +49,10 @@ class LoraLayer(nn.Module):
         if pool.world_size > 1:
             shard_base(base, t, slice_, pool.rank, pool.world_size)
 
+    @property
+    def weight(self) -> torch.Tensor:  # models read their layers' weight dtype (Qwen2-VL's patch embedding)
+        return self.base.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         tokens = x.shape[0] if isinstance(self.base, nn.Conv3d) else x[..., 0].numel()
