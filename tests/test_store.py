@@ -165,6 +165,12 @@ def test_pin_false_gives_ordinary_memory(adapter_path):
     assert isinstance(ad, LoadedAdapter) and not any(t.is_pinned() for t in ad.a.values())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")
+def test_pin_without_cuda_is_refused_at_construction():
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        store(pin=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs CUDA")
 def test_pin_true_pins_exactly_the_layout(adapter_path):
     ad = store(pin=True).read("a", adapter_path)

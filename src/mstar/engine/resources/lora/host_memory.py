@@ -18,25 +18,32 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    """An uint8 buffer of nbytes (zeroed by the kernel), page-locked when pin.
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """An uint8 buffer of nbytes, zeroed by the kernel.
 
     Mapped anonymously with transparent huge pages: a fresh 84 MB buffer then costs a few
-    hundred faults, not twenty thousand, which was most of a read's time. Pinned by
-    cudaHostRegister rather than torch's pinned allocator, which rounds each block up to a
-    power of two (an 84 MB adapter would hold 128 MB). The mapping, and its registration, end
+    hundred faults, not twenty thousand, which were most of a read's time. The mapping ends
     when the last view of the buffer dies.
     """
     mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         mm.madvise(mmap.MADV_HUGEPAGE)
-    buf = torch.frombuffer(mm, dtype=torch.uint8)
-    if pin:
-        from torch.cuda import _pin_memory_utils
+    return torch.frombuffer(mm, dtype=torch.uint8)
 
-        _pin_memory_utils.pin_memory(buf.data_ptr(), len(mm))
-        weakref.finalize(mm, _pin_memory_utils.unpin_memory, buf.data_ptr())
-    return buf
+
+def pin_for(owner: object, tensor: torch.Tensor) -> None:
+    """Page-lock the whole buffer under tensor until owner is collected.
+
+    cudaHostRegister on the buffer rather than torch's pinned allocator, which rounds each block
+    up to a power of two (an 84 MB adapter would hold 128 MB). The registration ends with owner,
+    whose collection runs before its tensors (and so the mapping) go: a view kept past it only
+    loses the pinning, never points at unregistered freed memory.
+    """
+    from torch.cuda import _pin_memory_utils
+
+    storage = tensor.untyped_storage()
+    _pin_memory_utils.pin_memory(storage.data_ptr(), storage.nbytes())
+    weakref.finalize(owner, _pin_memory_utils.unpin_memory, storage.data_ptr())
 
 
 def carve(buf: torch.Tensor, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:

@@ -46,7 +46,7 @@ def tensor_at(mm: mmap.mmap, e: TensorEntry) -> torch.Tensor:
 
 
 def read_layout(
-    ckpt: Checkpoint, spec: LoraSpec, mm: mmap.mmap, rank: int, world_size: int, dtype: torch.dtype, pin: bool
+    ckpt: Checkpoint, spec: LoraSpec, mm: mmap.mmap, rank: int, world_size: int, dtype: torch.dtype
 ) -> tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(largest rank served, a, b) for this rank, in one host buffer of exactly the layout's size.
 
@@ -58,7 +58,7 @@ def read_layout(
     for name in placed:
         t = spec.targets[name]
         shapes += [t.a_shape(R, world_size), t.b_shape(R, world_size)]
-    views = carve(host_buffer(buffer_bytes(shapes, dtype), pin), shapes, dtype)
+    views = carve(host_buffer(buffer_bytes(shapes, dtype)), shapes, dtype)
     a = dict(zip(placed, views[0::2], strict=True))
     b = dict(zip(placed, views[1::2], strict=True))
     top, scaling = 0, adapter_scaling(ckpt)

@@ -27,6 +27,7 @@ from .check import (
 )
 from .checkpoint import open_checkpoint
 from .digest import adapter_digest, mapped
+from .host_memory import pin_for
 from .layout import adapter_scaling, read_layout
 from .spec import LoraSpec
 
@@ -91,6 +92,8 @@ class LoraAdapterStore:
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
+        if pin and not torch.cuda.is_available():
+            raise ValueError("pin=True page-locks host memory for CUDA, and CUDA is not available")
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.dtype = dtype or spec.dtype
         self._held: OrderedDict[str, LoadedAdapter | None] = OrderedDict()
@@ -169,8 +172,11 @@ class LoraAdapterStore:
                         [f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was checked "
                          "with: the file changed since"]
                     )
-            top, a, b = read_layout(ckpt, self.spec, mm, self.rank, self.world_size, self.dtype, self.pin)
-        return LoadedAdapter(name, digest or b"", top, adapter_scaling(ckpt), a, b)
+            top, a, b = read_layout(ckpt, self.spec, mm, self.rank, self.world_size, self.dtype)
+        adapter = LoadedAdapter(name, digest or b"", top, adapter_scaling(ckpt), a, b)
+        if self.pin and a:
+            pin_for(adapter, next(iter(a.values())))
+        return adapter
 
     def load(self, name: str, path: str | os.PathLike[str], digest: bytes | None = None) -> LoadedAdapter:
         """Hold name and read it from path unless its copy is in."""
