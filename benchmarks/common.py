@@ -26,16 +26,6 @@ def write_adapters(root: Path) -> tuple[Path, Path]:
     return large, small
 
 
-def best(fn: Callable[[], object], repeat: int = 7) -> float:
-    """The fastest of repeat runs, in seconds: the least disturbed by a noisy machine."""
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def side_by_side(fns: dict[str, Callable[[], object]], repeat: int = 7) -> dict[str, float]:
     """Each function's best time, the runs interleaved so drift hits all of them alike."""
     times: dict[str, list[float]] = {k: [] for k in fns}
