@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import adapter_digest
-from .keys import ROLE_REASONS
+from .keys import ROLE_REASONS, SERVED_ROLES
 from .spec import AdapterInfo, LoraSpec
 
 # Modules whose LoRA changes the vocabulary side of the model, which the pool does not serve.
@@ -61,11 +61,11 @@ def misfit(spec: LoraSpec, module: str, a_shape: Sequence[int], b_shape: Sequenc
 
 def inspect_keys(spec: LoraSpec, items: Iterable[tuple[str, Sequence[int]]]) -> AdapterInfo:
     """inspect_adapter over (checkpoint key, shape) pairs, as a header lists them."""
+    shapes = dict(items)
     modules: dict[str, dict[str, tuple[int, ...]]] = {}
-    for key, shape in items:
-        module, role = spec.convert_keys(key)
+    for key, (module, role) in spec.convert_keys(list(shapes)).items():
         roles = modules.setdefault(module, {})
-        roles[role if role not in roles else f"{role}:{key}"] = tuple(shape)
+        roles[role if role not in roles else f"{role}:{key}"] = tuple(shapes[key])
     rank, unmapped, misfits, targets = 0, [], {}, set()
     placed: dict[tuple[str, int, int], str] = {}
     for module, roles in sorted(modules.items()):
@@ -87,9 +87,11 @@ def inspect_keys(spec: LoraSpec, items: Iterable[tuple[str, Sequence[int]]]) -> 
 
 
 def _module_problem(spec: LoraSpec, module: str, roles: dict[str, tuple[int, ...]]) -> str | None:
-    odd = sorted(r for r in roles if r not in ("A", "B"))
+    odd = sorted(r for r in roles if r not in SERVED_ROLES)
     if odd:
         return "; ".join(ROLE_REASONS.get(r, f"two keys read as its {r.split(':')[0]}") for r in odd)
+    if "alpha" in roles and math.prod(roles["alpha"]) != 1:
+        return f"alpha {list(roles['alpha'])} is not one number"
     if module.rsplit(".", 1)[-1] in _VOCAB_MODULES:
         return f"LoRA on {module.rsplit('.', 1)[-1]} is not served"
     if spec.locate(module) is None:
@@ -100,24 +102,24 @@ def _module_problem(spec: LoraSpec, module: str, roles: dict[str, tuple[int, ...
 
 
 def _inspect(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
-    items = [(k, e.shape) for k, e in ckpt.header.tensors.items()]
-    info = inspect_keys(spec, items)
+    info = inspect_keys(spec, [(k, e.shape) for k, e in ckpt.header.tensors.items()])
     misfits = dict(info.misfits)
+    config = ckpt.config
     for module, roles in ckpt.modules(spec.convert_keys).items():
         a = roles.get("A")
         if a is None or module in misfits or not a.shape:
             continue
         if a.dtype not in ("F32", "F16", "BF16") or roles.get("B", a).dtype != a.dtype:
             misfits[module] = f"factors of dtype {a.dtype} / {roles['B'].dtype}; LoRA weights are floats of one dtype"
-        elif a.shape[0] != ckpt.config.rank_of(module):
+        elif config is not None and a.shape[0] != config.rank_of(module):
             misfits[module] = (
-                f"rank {a.shape[0]}, but adapter_config.json gives it r={ckpt.config.rank_of(module)}, "
+                f"rank {a.shape[0]}, but adapter_config.json gives it r={config.rank_of(module)}, "
                 "so its scaling is unknown"
             )
-        layers = ckpt.config.layers_to_transform
         loc = spec.locate(module)
-        if layers is not None and loc is not None and loc[1] not in layers:
-            misfits[module] = f"layer {loc[1]} is outside layers_to_transform {list(layers)}"
+        if config is not None and config.layers_to_transform is not None and loc is not None \
+                and loc[1] not in config.layers_to_transform:
+            misfits[module] = f"layer {loc[1]} is outside layers_to_transform {list(config.layers_to_transform)}"
     return AdapterInfo(info.rank, info.unmapped, misfits, info.targets)
 
 

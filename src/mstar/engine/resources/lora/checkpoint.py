@@ -1,20 +1,29 @@
-"""An adapter on disk: where its files are, its checked header and config, its modules."""
+"""An adapter on disk: where its files are, its checked header and config, its modules and scalings."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from .adapter_config import AdapterConfig, read_config
-from .safetensors_header import Header, TensorEntry, read_header
+import torch
+
+from .adapter_config import AdapterConfig, parse_config, read_config
+from .keys import PEFT_PREFIX
+from .safetensors_header import FLOAT_DTYPES, Header, TensorEntry, read_header
+from .spec import ConvertKeys
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
+# Where diffusers' save_lora_weights puts the LoraConfig of each component, keys prefixed by it.
+DIFFUSERS_METADATA = "lora_adapter_metadata"
 
-ConvertKeys = Callable[[str], tuple[str, str]]
+Modules = dict[str, dict[str, TensorEntry]]
 
 
 def where(name: str, path: str | os.PathLike[str]) -> str:
@@ -29,8 +38,9 @@ def refusal(name: str, path: str | os.PathLike[str], reasons: Iterable[str]) -> 
     return ValueError(f"{where(name, path)}:\n" + "\n".join(f"  - {r}" for r in reasons))
 
 
-def locate_files(path: str | os.PathLike[str]) -> tuple[Path, Path]:
-    """(weights, config) of a PEFT adapter directory or of its safetensors file."""
+def locate_files(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
+    """(weights, config) of a PEFT adapter directory, or of a safetensors file (config beside it
+    if there is one: a trainer's single file carries its alphas itself)."""
     p = Path(path)
     if p.is_dir():
         weights = p / WEIGHTS
@@ -38,6 +48,8 @@ def locate_files(path: str | os.PathLike[str]) -> tuple[Path, Path]:
             if (p / "adapter_model.bin").exists():
                 raise ValueError("only adapter_model.bin, a pickle this pool does not read: save it as safetensors")
             raise ValueError(f"no {WEIGHTS} in the directory")
+        if not (p / CONFIG).is_file():
+            raise ValueError(f"no {CONFIG} beside {weights.name}, so its rank and alpha are unknown")
     elif p.is_file():
         if p.suffix != ".safetensors":
             raise ValueError(f"{p.name} is not a safetensors file")
@@ -45,52 +57,113 @@ def locate_files(path: str | os.PathLike[str]) -> tuple[Path, Path]:
     else:
         raise ValueError("no such file or directory")
     config = weights.parent / CONFIG
-    if not config.is_file():
-        raise ValueError(f"no {CONFIG} beside {weights.name}, so its rank and alpha are unknown")
-    return weights, config
+    return weights, config if config.is_file() else None
 
 
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
-    """A PEFT adapter whose header and config have been read and checked, weights unread."""
+    """An adapter whose header (and config, if it has one) have been read and checked, weights unread."""
 
     name: str
     weights: Path
     header: Header
-    config: AdapterConfig
+    config: AdapterConfig | None
 
     def refusal(self, reasons: Iterable[str]) -> ValueError:
         return refusal(self.name, self.weights, reasons)
-
-    def modules(self, convert_keys: ConvertKeys) -> dict[str, dict[str, TensorEntry]]:
-        """module -> role -> tensor, as convert_keys reads the keys (computed once per conversion)."""
-        if convert_keys not in self._modules:
-            self._modules[convert_keys] = _group(self.header.tensors, convert_keys)
-        return self._modules[convert_keys]
-
-    @cached_property
-    def _modules(self) -> dict[ConvertKeys, dict[str, dict[str, TensorEntry]]]:
-        return {}
 
     @cached_property
     def size(self) -> int:
         return self.weights.stat().st_size
 
+    def modules(self, convert_keys: ConvertKeys) -> Modules:
+        """module -> role -> tensor, as convert_keys reads the keys (computed once per conversion)."""
+        if convert_keys not in self._cache:
+            self._cache[convert_keys] = _group(self.header.tensors, convert_keys)
+        return self._cache[convert_keys]
 
-def _group(tensors: dict[str, TensorEntry], convert_keys: ConvertKeys) -> dict[str, dict[str, TensorEntry]]:
-    out: dict[str, dict[str, TensorEntry]] = {}
-    for key, entry in tensors.items():
-        module, role = convert_keys(key)
+    def scalings(self, convert_keys: ConvertKeys) -> dict[str, float]:
+        """Each module's alpha / r (or / sqrt(r) with rsLoRA), from its alpha tensor, else the config
+        (adapter_config.json, or the LoraConfig diffusers stores in the file's metadata), else 1:
+        a trainer that writes no alpha means alpha = rank."""
+        key = ("scalings", convert_keys)
+        if key not in self._cache:
+            self._cache[key] = self._scalings(convert_keys)
+        return self._cache[key]
+
+    def scaling(self, convert_keys: ConvertKeys) -> float:
+        """The adapter's own scaling: the config's, else the scaling most modules share (so folding
+        the rest into B changes the fewest); 1 where that is 0, so module scalings still fold."""
+        config = self.config or self.metadata_config
+        if config is not None:
+            return config.scaling or 1.0
+        counts = Counter(self.scalings(convert_keys).values())
+        return max(counts, key=lambda s: (counts[s], -s)) if counts else 1.0
+
+    def _scalings(self, convert_keys: ConvertKeys) -> dict[str, float]:
+        config = self.config or self.metadata_config
+        out = {}
+        with open(self.weights, "rb") as f:
+            for module, roles in self.modules(convert_keys).items():
+                a = roles.get("A")
+                r = a.shape[0] if a is not None and a.shape else 0
+                if "alpha" in roles:
+                    try:
+                        alpha = read_scalar(f, roles["alpha"])
+                    except ValueError as e:
+                        raise self.refusal([f"module {module}: {e}"]) from None
+                    out[module] = (alpha if alpha > 0 else r) / r if r else 1.0
+                elif config is not None:
+                    out[module] = config.module_scaling(module)
+                else:
+                    out[module] = 1.0
+        return out
+
+    @cached_property
+    def metadata_config(self) -> AdapterConfig | None:
+        """The transformer's LoraConfig, as diffusers' save_lora_weights writes it into the metadata."""
+        raw = self.header.metadata.get(DIFFUSERS_METADATA)
+        if raw is None:
+            return None
+        try:
+            packed = json.loads(raw)
+            fields = {k.removeprefix("transformer."): v for k, v in packed.items() if k.startswith("transformer.")}
+            return parse_config(fields) if fields else None
+        except (ValueError, AttributeError) as e:
+            raise self.refusal([f"{DIFFUSERS_METADATA} in its metadata is not a LoRA config ({e})"]) from None
+
+    @cached_property
+    def _cache(self) -> dict:
+        return {}
+
+
+def read_scalar(f, e: TensorEntry) -> float:
+    """The value of a one-element float tensor (a trainer's alpha), read alone."""
+    if e.dtype not in FLOAT_DTYPES or math.prod(e.shape) != 1:
+        raise ValueError(f"an alpha must be one float, not {e.dtype} {list(e.shape)}")
+    f.seek(e.start)
+    value = torch.frombuffer(bytearray(f.read(e.nbytes)), dtype=e.torch_dtype).item()
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"alpha {value} is not a finite, non-negative number")
+    return value
+
+
+def _group(tensors: dict[str, TensorEntry], convert_keys: ConvertKeys) -> Modules:
+    out: Modules = {}
+    for key, (module, role) in convert_keys(list(tensors)).items():
         roles = out.setdefault(module, {})
         if role in roles:  # two keys read as the same weight: neither is trusted
             role = f"{role}:{key}"
-        roles[role] = entry
+        roles[role] = tensors[key]
     return out
 
 
 def default_name(path: str | os.PathLike[str]) -> str:
+    """A directory's name; a file's stem, or its directory's name for PEFT's adapter_model.safetensors."""
     p = Path(path)
-    return p.name if p.is_dir() or p.suffix != ".safetensors" else p.parent.name
+    if p.is_dir() or p.suffix != ".safetensors":
+        return p.name
+    return p.parent.name if p.stem == "adapter_model" else p.stem
 
 
 def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Checkpoint:
@@ -105,7 +178,10 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
     except (ValueError, OSError) as e:
         raise refusal(name, weights, [f"bad safetensors file: {e}"]) from None
     try:
-        config = read_config(config_path)
+        config = read_config(config_path) if config_path else None
     except (ValueError, OSError) as e:
         raise refusal(name, config_path, [str(e)]) from None
+    if config is None and any(k.startswith(PEFT_PREFIX) for k in header.tensors):
+        why = f"a PEFT checkpoint with no {CONFIG} beside it, so its rank and alpha are unknown"
+        raise refusal(name, weights, [why])
     return Checkpoint(name, weights, header, config)

@@ -54,7 +54,7 @@ def _row(specs: dict[str, LoraSpec], name: str, path: str) -> tuple[dict, list[s
     nodes = list(specs.values())
     infos = [inspect_adapter(spec, path) for spec in nodes]
     row["rank"] = max(i.rank for i in infos)
-    row["scaling"] = f"{ckpt.config.scaling:g}"
+    row["scaling"] = f"{ckpt.scaling(nodes[0].convert_keys):g}"
     problems = adapter_problems(nodes, ckpt)
     touched = [{spec.locate(m)[0] for m in problems if spec.locate(m)} | i.targets
                for spec, i in zip(nodes, infos, strict=True)]

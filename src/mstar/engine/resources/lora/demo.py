@@ -143,7 +143,8 @@ def run_demo(args: argparse.Namespace) -> int:
     cls = type(base)
     for i, name in enumerate(tqdm(batch, desc="reference", unit="row", disable=None, file=sys.stderr)):
         ckpt = open_checkpoint(paths[name]) if name else None
-        ref = merged_reference(cls, cfg, state, paths[name], ckpt.config.module_scaling) if name else None
+        scalings = ckpt.scalings(spec.convert_keys) if name else {}
+        ref = merged_reference(cls, cfg, state, paths[name], scalings.__getitem__) if name else None
         if ref is None:
             ref = cls(cfg).eval()
             ref.load_state_dict(state)

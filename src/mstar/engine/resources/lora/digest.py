@@ -10,8 +10,9 @@ from contextlib import contextmanager
 
 import blake3
 
-from .checkpoint import Checkpoint, ConvertKeys
+from .checkpoint import Checkpoint
 from .safetensors_header import TensorEntry
+from .spec import ConvertKeys
 
 # Bumped whenever what the digest covers changes, so old and new digests never collide.
 DOMAIN = b"mstar-lora adapter digest v1\0"
@@ -48,8 +49,9 @@ def adapter_digest(
                 return adapter_digest(checkpoint, convert_keys, mm)
         data = data_digest(checkpoint, convert_keys, mm)
     manifest = []
+    scalings = checkpoint.scalings(convert_keys)
     for module, roles in sorted(checkpoint.modules(convert_keys).items()):
-        scaling = checkpoint.config.module_scaling(module).hex()
+        scaling = scalings[module].hex()
         manifest += [[module, role, e.dtype, list(e.shape), scaling] for role, e in sorted(roles.items())]
     head = json.dumps(manifest).encode()
     return blake3.blake3(DOMAIN + len(head).to_bytes(8, "little") + head + data).digest()

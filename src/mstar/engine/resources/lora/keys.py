@@ -1,32 +1,50 @@
-"""Checkpoint keys to (module, role): the PEFT layout's key conversion."""
+"""Checkpoint keys to (module, role): the suffixes trainers write, and the PEFT layout's conversion."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 PEFT_PREFIX = "base_model.model."
 
-# Suffixes PEFT writes after a module name, and the role each gives. Only A and B are served;
-# the other roles are named so that a refusal can say what the weight is.
-_SUFFIXES = (
+# Suffixes written after a module name, and the role each gives, longest match first. Only A, B
+# and alpha are served; the other roles are named so a refusal can say what the weight is.
+SUFFIXES = (
     (".lora_A.weight", "A"),
     (".lora_B.weight", "B"),
+    (".lora_down.weight", "A"),
+    (".lora_up.weight", "B"),
+    (".alpha", "alpha"),
     (".lora_B.bias", "lora_bias"),
     (".lora_A.bias", "lora_bias"),
     (".lora_magnitude_vector.weight", "dora"),
     (".lora_magnitude_vector", "dora"),
+    (".dora_scale", "dora"),
     (".lora_embedding_A", "embedding"),
     (".lora_embedding_B", "embedding"),
     (".token_adapter.trainable_tokens_delta", "tokens"),
+    (".lora_mid.weight", "tucker"),
+    (".hada_w1_a", "loha"), (".hada_w1_b", "loha"), (".hada_w2_a", "loha"), (".hada_w2_b", "loha"),
+    (".hada_t1", "loha"), (".hada_t2", "loha"),
+    (".lokr_w1", "lokr"), (".lokr_w2", "lokr"), (".lokr_w1_a", "lokr"), (".lokr_w1_b", "lokr"),
+    (".lokr_w2_a", "lokr"), (".lokr_w2_b", "lokr"), (".lokr_t2", "lokr"),
+    (".diff_b", "diff"),
+    (".diff", "diff"),
     (".bias", "bias"),
     (".weight", "weight"),
 )
+_BY_LENGTH = sorted(SUFFIXES, key=lambda s: -len(s[0]))
 
+SERVED_ROLES = ("A", "B", "alpha")
 ROLE_REASONS = {
-    "lora_bias": "a LoRA bias (lora_bias) is not served",
-    "dora": "a DoRA magnitude vector: DoRA is not served",
+    "lora_bias": "a LoRA bias (lora_bias, or a trainer's diff_b) is not served",
+    "dora": "a DoRA magnitude (dora_scale / lora_magnitude_vector): DoRA is not served",
     "embedding": "LoRA on an embedding is not served",
     "tokens": "trainable token rows are not served",
+    "tucker": "a Tucker core (lora_mid, LoCon's conv decomposition) is not plain LoRA",
+    "loha": "LoHa (hada_*) is a Hadamard product of two low-rank pairs, not LoRA",
+    "lokr": "LoKr (lokr_*) is a Kronecker product, not LoRA",
+    "diff": "a full weight delta (.diff / .diff_b) is not a low-rank adapter",
     "bias": "a trained bias is not served",
     "weight": "a whole weight (modules_to_save) is not served",
     "unknown": "not a LoRA weight this pool knows",
@@ -34,10 +52,14 @@ ROLE_REASONS = {
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def peft_keys(key: str) -> tuple[str, str]:
-    """(module, role) of a PEFT checkpoint key; module is named less PEFT's base_model.model."""
-    name = key.removeprefix(PEFT_PREFIX)
-    for suffix, role in _SUFFIXES:
+def split_key(name: str) -> tuple[str, str]:
+    """(module, role) of a key by its suffix; an unknown suffix is the role "unknown"."""
+    for suffix, role in _BY_LENGTH:
         if name.endswith(suffix):
             return name[: -len(suffix)], role
     return name, "unknown"
+
+
+def peft_keys(keys: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """PEFT's layout: each key's (module, role), the module named less PEFT's base_model.model."""
+    return {key: split_key(key.removeprefix(PEFT_PREFIX)) for key in keys}

@@ -21,11 +21,6 @@ from .spec import LoraSpec, LoraTarget
 Placed = tuple[int, "int | None", str, TensorEntry, TensorEntry]  # layer, slice, module, A, B
 
 
-def adapter_scaling(ckpt: Checkpoint) -> float:
-    """The adapter's scaling; 1 where lora_alpha is 0, so module scalings can still be folded."""
-    return ckpt.config.scaling or 1.0
-
-
 def place(ckpt: Checkpoint, spec: LoraSpec) -> dict[str, list[Placed]]:
     """The modules spec serves, by target; modules it does not map are other nodes'."""
     placed: dict[str, list[Placed]] = {}
@@ -61,14 +56,15 @@ def read_layout(
     views = carve(host_buffer(buffer_bytes(shapes, dtype)), shapes, dtype)
     a = dict(zip(placed, views[0::2], strict=True))
     b = dict(zip(placed, views[1::2], strict=True))
-    top, scaling = 0, adapter_scaling(ckpt)
+    top, scaling = 0, ckpt.scaling(spec.convert_keys)
+    scalings = ckpt.scalings(spec.convert_keys)
     for name, modules in placed.items():
         t = spec.targets[name]
         pieces = [
             piece
             for layer, s, module, ea, eb in modules
             for piece in shard_pieces(t, layer, s, tensor_at(mm, ea), tensor_at(mm, eb),
-                                      ckpt.config.module_scaling(module) / scaling, R, rank, world_size)
+                                      scalings[module] / scaling, R, rank, world_size)
         ]
         top = max([top] + [p.r for p in pieces])
         write_pieces(t, a[name], b[name], pieces, R, t.out_shards(world_size))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
@@ -120,7 +120,10 @@ class AdapterInfo:
 Location = tuple[str, int, "int | None"]
 
 
-def default_convert_keys() -> Callable[[str], tuple[str, str]]:
+ConvertKeys = Callable[[Sequence[str]], Mapping[str, tuple[str, str]]]
+
+
+def default_convert_keys() -> ConvertKeys:
     from .keys import peft_keys
 
     return peft_keys
@@ -132,7 +135,9 @@ class LoraSpec:
 
     patterns are (regex, target, slice) triples: a regex fully matching a checkpoint's module
     name, with a group named layer where the target repeats per layer; slice None where the
-    module covers every slice of its target (a qkv_proj fused in the base model).
+    module covers every slice of its target (a qkv_proj fused in the base model). convert_keys
+    reads a checkpoint's whole key list into (module, role) per key, so it can tell a layout
+    from the file itself; conversions that compare equal read a checkpoint alike.
     """
 
     targets: Mapping[str, LoraTarget]
@@ -141,7 +146,7 @@ class LoraSpec:
     capacity: int = 8
     dtype: torch.dtype = torch.bfloat16
     adapters: Mapping[str, str] = field(default_factory=dict)
-    convert_keys: Callable[[str], tuple[str, str]] = field(default_factory=default_convert_keys)
+    convert_keys: ConvertKeys = field(default_factory=default_convert_keys)
     name: str = "language_model"
 
     def __post_init__(self) -> None:

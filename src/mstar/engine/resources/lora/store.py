@@ -28,7 +28,7 @@ from .check import (
 from .checkpoint import open_checkpoint
 from .digest import adapter_digest, mapped
 from .host_memory import pin_for
-from .layout import adapter_scaling, read_layout
+from .layout import read_layout
 from .spec import LoraSpec
 
 __all__ = [
@@ -173,7 +173,7 @@ class LoraAdapterStore:
                          "with: the file changed since"]
                     )
             top, a, b = read_layout(ckpt, self.spec, mm, self.rank, self.world_size, self.dtype)
-        adapter = LoadedAdapter(name, digest or b"", top, adapter_scaling(ckpt), a, b)
+        adapter = LoadedAdapter(name, digest or b"", top, ckpt.scaling(self.spec.convert_keys), a, b)
         if self.pin and a:
             pin_for(adapter, next(iter(a.values())))
         return adapter
