@@ -12,7 +12,7 @@ fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 fi
-if ! .venv/bin/python -c "import mstar.engine.resources.lora, peft, transformers, hypothesis, blake3" >/dev/null 2>&1 \
+if ! .venv/bin/python -c "import mstar.engine.resources.lora, peft, transformers, diffusers, hypothesis, blake3" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.installed ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
   touch .venv/.installed

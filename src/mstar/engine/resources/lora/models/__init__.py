@@ -13,6 +13,7 @@ import torch
 from ..spec import LoraSpec
 from .decoder import decoder_spec, phi3_spec
 from .qwen2_vl import qwen2_5_vl_specs, qwen2_vl_specs
+from .wan import wan_specs
 
 PRESETS = Path(__file__).parent / "presets"
 
@@ -37,6 +38,7 @@ BUILDERS: dict[str, Builder] = {
     "phi3": _phi3,
     "qwen2_vl": qwen2_vl_specs,
     "qwen2_5_vl": qwen2_5_vl_specs,
+    "wan": wan_specs,
 }
 
 _ARCHITECTURES = {
@@ -49,6 +51,7 @@ _ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "WanTransformer3DModel": "wan",
 }
 
 
@@ -80,7 +83,7 @@ def model_type(config: Mapping[str, Any]) -> str:
     mt = config.get("model_type")
     if mt in BUILDERS:
         return mt
-    for arch in config.get("architectures") or ():
+    for arch in [config.get("_class_name"), *(config.get("architectures") or ())]:  # diffusers: _class_name
         if arch in _ARCHITECTURES:
             return _ARCHITECTURES[arch]
     named = mt or ", ".join(config.get("architectures") or ()) or "none"
@@ -96,7 +99,7 @@ def specs_from_config(
     dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, LoraSpec]:
     """Each node's LoraSpec, keyed "language_model" and, for a vision-language model,
-    "vision_tower"; every node serves the same adapters."""
+    "vision_tower" ("transformer" for a diffusion transformer); every node serves the same adapters."""
     raw = load_config(config)
     try:
         return BUILDERS[model_type(raw)](

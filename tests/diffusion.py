@@ -1,0 +1,49 @@
+"""Tiny random diffusers transformers, adapters saved by diffusers itself, and diffusers' own loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+WAN = {"_class_name": "WanTransformer3DModel", "patch_size": [1, 2, 2], "num_attention_heads": 2,
+       "attention_head_dim": 8, "in_channels": 4, "out_channels": 4, "text_dim": 16, "freq_dim": 16, "ffn_dim": 32,
+       "num_layers": 2, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,
+       "image_dim": None, "added_kv_proj_dim": None, "rope_max_seq_len": 32}
+WAN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+
+
+def wan_transformer(config: dict = WAN, seed: int = 0) -> torch.nn.Module:
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(**{k: v for k, v in config.items() if not k.startswith("_")}).eval()
+
+
+def save_wan_lora(path: Path, seed: int = 1, **lora) -> Path:
+    """A LoRA added to a tiny Wan transformer through diffusers and saved with its save_lora_weights."""
+    from diffusers import WanPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from tiny import randomize_lora
+
+    lora.setdefault("r", 4)
+    lora.setdefault("lora_alpha", 8)
+    lora.setdefault("target_modules", WAN_TARGETS)
+    transformer = wan_transformer()
+    config = LoraConfig(**lora)
+    transformer.add_adapter(config)
+    randomize_lora(transformer, seed)
+    WanPipeline.save_lora_weights(path, transformer_lora_layers=get_peft_model_state_dict(transformer),
+                                  transformer_lora_adapter_metadata=config.to_dict())
+    return path / "pytorch_lora_weights.safetensors"
+
+
+def diffusers_loaded(file: Path, config: dict = WAN) -> torch.nn.Module:
+    """A fresh tiny Wan transformer with the LoRA file loaded the way diffusers' pipelines load it."""
+    from diffusers import WanPipeline
+
+    transformer = wan_transformer(config)
+    state, metadata = WanPipeline.lora_state_dict(str(file), return_lora_metadata=True)
+    WanPipeline.load_lora_into_transformer(state, transformer=transformer, metadata=metadata)
+    return transformer
