@@ -47,3 +47,46 @@ def diffusers_loaded(file: Path, config: dict = WAN) -> torch.nn.Module:
     state, metadata = WanPipeline.lora_state_dict(str(file), return_lora_metadata=True)
     WanPipeline.load_lora_into_transformer(state, transformer=transformer, metadata=metadata)
     return transformer
+
+
+FLUX = {"_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": 8, "num_layers": 1,
+        "num_single_layers": 1, "attention_head_dim": 8, "num_attention_heads": 2, "joint_attention_dim": 16,
+        "pooled_projection_dim": 16, "guidance_embeds": False, "axes_dims_rope": [2, 2, 4]}
+FLUX_TARGETS = ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out",
+                "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "norm1.linear",
+                "norm1_context.linear", "proj_mlp", "single_transformer_blocks.0.proj_out", "norm.linear",
+                "x_embedder", "context_embedder"]
+
+
+def flux_transformer(seed: int = 0) -> torch.nn.Module:
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(**{k: v for k, v in FLUX.items() if not k.startswith("_")}).eval()
+
+
+def save_flux_lora(path: Path, seed: int = 1, **lora) -> Path:
+    from diffusers import FluxPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from tiny import randomize_lora
+
+    lora.setdefault("r", 4)
+    lora.setdefault("lora_alpha", 8)
+    lora.setdefault("target_modules", FLUX_TARGETS)
+    transformer = flux_transformer()
+    config = LoraConfig(**lora)
+    transformer.add_adapter(config)
+    randomize_lora(transformer, seed)
+    FluxPipeline.save_lora_weights(path, transformer_lora_layers=get_peft_model_state_dict(transformer),
+                                   transformer_lora_adapter_metadata=config.to_dict())
+    return path / "pytorch_lora_weights.safetensors"
+
+
+def flux_loaded(file: Path) -> torch.nn.Module:
+    from diffusers import FluxPipeline
+
+    transformer = flux_transformer()
+    state, metadata = FluxPipeline.lora_state_dict(str(file), return_lora_metadata=True)
+    FluxPipeline.load_lora_into_transformer(state, transformer=transformer, network_alphas=None, metadata=metadata)
+    return transformer

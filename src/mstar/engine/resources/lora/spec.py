@@ -43,7 +43,7 @@ class LoraTarget:
     in_features: int
     out_features: tuple[int, ...]
     parallel: Parallel
-    heads: tuple[int, ...] | None = None
+    heads: tuple[int | None, ...] | None = None
     kernel: tuple[int, ...] | None = None  # a conv target's kernel; in_features = c * prod(kernel)
 
     def __post_init__(self) -> None:
@@ -77,13 +77,13 @@ class LoraTarget:
         out = self.out_features[s]
         if self.parallel != "column":
             return 0, out
-        units = self.heads[s] if self.heads else out
+        units = self.heads[s] if self.heads and self.heads[s] else out
         if out % units:
             raise ValueError(f"slice {s}'s width {out} is not a whole number of its {units} heads")
         try:
             return shard_units(units, out // units, rank, world_size)
         except ValueError as e:
-            raise ValueError(f"slice {s} ({'heads' if self.heads else 'rows'}): {e}") from None
+            raise ValueError(f"slice {s} ({'heads' if self.heads and self.heads[s] else 'rows'}): {e}") from None
 
     def in_shard(self, world_size: int) -> int:
         start, stop = self.a_columns(0, world_size)

@@ -12,6 +12,7 @@ import torch
 
 from ..spec import LoraSpec
 from .decoder import decoder_spec, phi3_spec
+from .flux import flux_specs
 from .qwen2_vl import qwen2_5_vl_specs, qwen2_vl_specs
 from .wan import wan_specs
 
@@ -39,6 +40,7 @@ BUILDERS: dict[str, Builder] = {
     "qwen2_vl": qwen2_vl_specs,
     "qwen2_5_vl": qwen2_5_vl_specs,
     "wan": wan_specs,
+    "flux": flux_specs,
 }
 
 _ARCHITECTURES = {
@@ -52,6 +54,7 @@ _ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "WanTransformer3DModel": "wan",
+    "FluxTransformer2DModel": "flux",
 }
 
 
