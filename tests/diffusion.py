@@ -90,3 +90,25 @@ def flux_loaded(file: Path) -> torch.nn.Module:
     state, metadata = FluxPipeline.lora_state_dict(str(file), return_lora_metadata=True)
     FluxPipeline.load_lora_into_transformer(state, transformer=transformer, network_alphas=None, metadata=metadata)
     return transformer
+
+
+def native(diffusers_file: Path, path: Path, style: str, alphas: bool = True) -> Path:
+    """A diffusers Wan file's weights in a trainer's layout ("native" or "kohya"), each module with
+    its own alpha."""
+    from safetensors.torch import load_file, save_file
+
+    from mstar.engine.resources.lora.models.wan import NATIVE
+
+    to_native = {v: k for k, v in NATIVE.items()}
+    out = {}
+    for i, (key, value) in enumerate(sorted(load_file(diffusers_file).items())):
+        module, _, role = key.removeprefix("transformer.").rpartition(".lora_")
+        _, block, rest = module.split(".", 2)
+        name = f"blocks.{block}.{to_native[rest]}"
+        down_up = {"A.weight": "lora_down.weight", "B.weight": "lora_up.weight"}[role]
+        prefix = f"lora_unet_{name.replace('.', '_')}" if style == "kohya" else f"diffusion_model.{name}"
+        out[f"{prefix}.{down_up}"] = value
+        if alphas and role == "A.weight":
+            out[f"{prefix}.alpha"] = torch.tensor(value.shape[0] * (0.5 + 0.25 * (i % 5)))
+    save_file(out, path)
+    return path

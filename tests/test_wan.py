@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusion import WAN, WAN_TARGETS, diffusers_loaded, save_wan_lora
+from diffusion import WAN, WAN_TARGETS, diffusers_loaded, native, save_wan_lora
 from reference import lora_modules, module_input, peft_delta, slot_delta
 from safetensors.torch import load_file, save_file
 
 from mstar.engine.resources.lora.models import specs_from_config
-from mstar.engine.resources.lora.models.wan import NATIVE
 from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_file, inspect_adapter
-
-DIFFUSERS_TO_NATIVE = {v: k for k, v in NATIVE.items()}
 
 
 def spec():
@@ -31,23 +28,6 @@ def assert_matches_diffusers(file, others_checked=None):
         got = slot_delta(adapter.a, adapter.b, adapter.scaling, s, module, x.flatten(1))
         torch.testing.assert_close(got, peft_delta(layer, x), rtol=1e-5, atol=1e-6, msg=module)
     return adapter, set(loaded)
-
-
-def native(diffusers_file, path, style, alphas=True):
-    """The diffusers file's weights in a trainer's layout, each module with its own alpha."""
-    tensors = load_file(diffusers_file)
-    out = {}
-    for i, (key, value) in enumerate(sorted(tensors.items())):
-        module, _, role = key.removeprefix("transformer.").rpartition(".lora_")
-        block, rest = module.split(".", 2)[1], module.split(".", 2)[2]
-        name = f"blocks.{block}.{DIFFUSERS_TO_NATIVE[rest]}"
-        down_up = {"A.weight": "lora_down.weight", "B.weight": "lora_up.weight"}[role]
-        prefix = f"lora_unet_{name.replace('.', '_')}" if style == "kohya" else f"diffusion_model.{name}"
-        out[f"{prefix}.{down_up}"] = value
-        if alphas and role == "A.weight":
-            out[f"{prefix}.alpha"] = torch.tensor(value.shape[0] * (0.5 + 0.25 * (i % 5)))
-    save_file(out, path)
-    return path
 
 
 @pytest.fixture

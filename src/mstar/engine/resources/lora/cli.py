@@ -62,17 +62,41 @@ def _row(specs: dict[str, LoraSpec], name: str, path: str) -> tuple[dict, list[s
     return row, module_reasons(problems) if problems else []
 
 
+def module_rows(specs: dict[str, LoraSpec], path: str) -> list[dict]:
+    """Each module of the checkpoint as the nodes read it: target, layer, slice, rank and scaling."""
+    ckpt = open_checkpoint(path)
+    rows = []
+    for node, spec in specs.items():
+        scalings = ckpt.scalings(spec.convert_keys)
+        for module, roles in sorted(ckpt.modules(spec.convert_keys).items()):
+            loc = spec.locate(module)
+            if loc is None and len(specs) > 1:
+                continue
+            a = roles.get("A")
+            rows.append({"module": module, "node": node, "target": loc[0] if loc else "-",
+                         "layer": loc[1] if loc else "-", "slice": "all" if loc and loc[2] is None else
+                         (loc[2] if loc else "-"), "rank": a.shape[0] if a is not None and a.shape else "-",
+                         "scaling": f"{scalings[module]:g}"})
+    return rows
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     specs = specs_from_config(args.model, max_rank=args.max_rank)
     rows = []
     for name, path in _adapters(args.adapters).items():
         row, problems = _row(specs, name, path)
         row["verdict"] = "ok" if not problems else "; ".join(problems)
+        if args.modules and "size" in row:
+            row["modules"] = module_rows(specs, path)
         rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=2))
-    else:
-        print(table(rows, ["adapter", "rank", "scaling", "targets", "size", "verdict"]))
+        return 0 if all(r["verdict"] == "ok" for r in rows) else 1
+    print(table(rows, ["adapter", "rank", "scaling", "targets", "size", "verdict"]))
+    for row in rows:
+        if row.get("modules"):
+            print(f"\n{row['adapter']}:")
+            print(table(row["modules"], ["module", "node", "target", "layer", "slice", "rank", "scaling"]))
     return 0 if all(r["verdict"] == "ok" for r in rows) else 1
 
 
@@ -129,6 +153,8 @@ def parser() -> argparse.ArgumentParser:
         c.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "check":
             c.add_argument("--serving", help="a JSON file mapping adapter names to paths")
+        else:
+            c.add_argument("--modules", action="store_true", help="each module's target, rank and scaling too")
         c.set_defaults(fn=fn)
     d = sub.add_parser("demo", help="sample adapters through the whole pool on a tiny model")
     d.add_argument("--model", default="tiny-llama", help=model_help)
