@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from inspect import signature
 from pathlib import Path
 
 import torch
@@ -13,42 +14,6 @@ WAN = {"_class_name": "WanTransformer3DModel", "patch_size": [1, 2, 2], "num_att
 WAN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
 
 
-def wan_transformer(config: dict = WAN, seed: int = 0) -> torch.nn.Module:
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(seed)
-    return WanTransformer3DModel(**{k: v for k, v in config.items() if not k.startswith("_")}).eval()
-
-
-def save_wan_lora(path: Path, seed: int = 1, **lora) -> Path:
-    """A LoRA added to a tiny Wan transformer through diffusers and saved with its save_lora_weights."""
-    from diffusers import WanPipeline
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-    from tiny import randomize_lora
-
-    lora.setdefault("r", 4)
-    lora.setdefault("lora_alpha", 8)
-    lora.setdefault("target_modules", WAN_TARGETS)
-    transformer = wan_transformer()
-    config = LoraConfig(**lora)
-    transformer.add_adapter(config)
-    randomize_lora(transformer, seed)
-    WanPipeline.save_lora_weights(path, transformer_lora_layers=get_peft_model_state_dict(transformer),
-                                  transformer_lora_adapter_metadata=config.to_dict())
-    return path / "pytorch_lora_weights.safetensors"
-
-
-def diffusers_loaded(file: Path, config: dict = WAN) -> torch.nn.Module:
-    """A fresh tiny Wan transformer with the LoRA file loaded the way diffusers' pipelines load it."""
-    from diffusers import WanPipeline
-
-    transformer = wan_transformer(config)
-    state, metadata = WanPipeline.lora_state_dict(str(file), return_lora_metadata=True)
-    WanPipeline.load_lora_into_transformer(state, transformer=transformer, metadata=metadata)
-    return transformer
-
-
 FLUX = {"_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": 8, "num_layers": 1,
         "num_single_layers": 1, "attention_head_dim": 8, "num_attention_heads": 2, "joint_attention_dim": 16,
         "pooled_projection_dim": 16, "guidance_embeds": False, "axes_dims_rope": [2, 2, 4]}
@@ -56,40 +21,61 @@ FLUX_TARGETS = ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"
                 "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "norm1.linear",
                 "norm1_context.linear", "proj_mlp", "single_transformer_blocks.0.proj_out", "norm.linear",
                 "x_embedder", "context_embedder"]
+# model config -> (the transformer's class, the pipeline whose LoRA loader reads its files, default targets)
+KINDS = {"WanTransformer3DModel": ("WanPipeline", WAN_TARGETS), "FluxTransformer2DModel": ("FluxPipeline",
+                                                                                            FLUX_TARGETS)}
 
 
-def flux_transformer(seed: int = 0) -> torch.nn.Module:
-    from diffusers import FluxTransformer2DModel
+def transformer(config: dict, seed: int = 0) -> torch.nn.Module:
+    """A tiny random diffusers transformer of config's class."""
+    import diffusers
 
     torch.manual_seed(seed)
-    return FluxTransformer2DModel(**{k: v for k, v in FLUX.items() if not k.startswith("_")}).eval()
+    cls = getattr(diffusers, config["_class_name"])
+    return cls(**{k: v for k, v in config.items() if not k.startswith("_")}).eval()
 
 
-def save_flux_lora(path: Path, seed: int = 1, **lora) -> Path:
-    from diffusers import FluxPipeline
+def pipeline(config: dict):
+    import diffusers
+
+    return getattr(diffusers, KINDS[config["_class_name"]][0])
+
+
+def save_lora(config: dict, path: Path, seed: int = 1, **lora) -> Path:
+    """A LoRA added to a tiny transformer through diffusers and saved with its save_lora_weights."""
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
     from tiny import randomize_lora
 
     lora.setdefault("r", 4)
     lora.setdefault("lora_alpha", 8)
-    lora.setdefault("target_modules", FLUX_TARGETS)
-    transformer = flux_transformer()
-    config = LoraConfig(**lora)
-    transformer.add_adapter(config)
-    randomize_lora(transformer, seed)
-    FluxPipeline.save_lora_weights(path, transformer_lora_layers=get_peft_model_state_dict(transformer),
-                                   transformer_lora_adapter_metadata=config.to_dict())
+    lora.setdefault("target_modules", KINDS[config["_class_name"]][1])
+    model = transformer(config)
+    lora_config = LoraConfig(**lora)
+    model.add_adapter(lora_config)
+    randomize_lora(model, seed)
+    pipeline(config).save_lora_weights(path, transformer_lora_layers=get_peft_model_state_dict(model),
+                                       transformer_lora_adapter_metadata=lora_config.to_dict())
     return path / "pytorch_lora_weights.safetensors"
 
 
-def flux_loaded(file: Path) -> torch.nn.Module:
-    from diffusers import FluxPipeline
+def loaded(config: dict, file: Path) -> torch.nn.Module:
+    """A fresh tiny transformer with the LoRA file loaded the way diffusers' pipelines load it."""
+    model = transformer(config)
+    pipe = pipeline(config)
+    state, metadata = pipe.lora_state_dict(str(file), return_lora_metadata=True)
+    takes_alphas = "network_alphas" in signature(pipe.load_lora_into_transformer).parameters
+    extra = {"network_alphas": None} if takes_alphas else {}
+    pipe.load_lora_into_transformer(state, transformer=model, metadata=metadata, **extra)
+    return model
 
-    transformer = flux_transformer()
-    state, metadata = FluxPipeline.lora_state_dict(str(file), return_lora_metadata=True)
-    FluxPipeline.load_lora_into_transformer(state, transformer=transformer, network_alphas=None, metadata=metadata)
-    return transformer
+
+def save_wan_lora(path: Path, seed: int = 1, **lora) -> Path:
+    return save_lora(WAN, path, seed, **lora)
+
+
+def save_flux_lora(path: Path, seed: int = 1, **lora) -> Path:
+    return save_lora(FLUX, path, seed, **lora)
 
 
 def native(diffusers_file: Path, path: Path, style: str, alphas: bool = True) -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusion import FLUX, flux_loaded, save_flux_lora
+from diffusion import FLUX, loaded, save_flux_lora
 from reference import lora_modules, module_input, peft_delta, slot_delta
 from safetensors.torch import save_file
 
@@ -39,7 +39,7 @@ def test_diffusers_layout_every_target(tmp_path):
     file = save_flux_lora(tmp_path / "d", rank_pattern={"proj_mlp": 2}, alpha_pattern={"to_add_out": 2})
     adapter = read(file)
     assert set(adapter.a) == set(spec().targets) - {"proj_out"}
-    assert_matches(adapter, flux_loaded(file))
+    assert_matches(adapter, loaded(FLUX, file))
 
 
 def kohya_file(path, prefix, down, up, alpha):
@@ -75,7 +75,7 @@ def test_kohya_layout_with_fused_qkv_and_alphas(tmp_path):
                                                      "attn.add_k_proj", "attn.add_v_proj", "attn.to_out.0",
                                                      "ff.net.0.proj", "ff_context.net.2", "norm1.linear")]
     single = ["single_transformer_blocks.0.proj_out", "single_transformer_blocks.0.norm.linear"]
-    assert_matches(adapter, flux_loaded(file), expect={*double, *single})
+    assert_matches(adapter, loaded(FLUX, file), expect={*double, *single})
 
 
 def test_bfl_layout_reads_as_kohya(tmp_path):
@@ -99,7 +99,7 @@ def test_single_block_linear1_is_q_k_v_and_the_mlp_sharing_one_a(tmp_path):
     save_file({k: v for m, part in split.items() for k, v in (
         (f"transformer.single_transformer_blocks.0.{m}.lora_A.weight", a.clone()),
         (f"transformer.single_transformer_blocks.0.{m}.lora_B.weight", part * alpha / 4))}, same)
-    assert_matches(read(kohya), flux_loaded(same), expect={f"single_transformer_blocks.0.{m}" for m in split})
+    assert_matches(read(kohya), loaded(FLUX, same), expect={f"single_transformer_blocks.0.{m}" for m in split})
 
 
 @pytest.mark.parametrize("world_size", [2])

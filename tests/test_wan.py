@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusion import WAN, WAN_TARGETS, diffusers_loaded, native, save_wan_lora
+from diffusion import WAN, WAN_TARGETS, loaded, native, save_wan_lora
 from reference import lora_modules, module_input, peft_delta, slot_delta
 from safetensors.torch import load_file, save_file
 
@@ -16,18 +16,18 @@ def spec():
     return specs_from_config(WAN, max_rank=8)["transformer"]
 
 
-def assert_matches_diffusers(file, others_checked=None):
+def assert_matches_diffusers(file):
     s = spec()
     digest = check_adapter_file(s, "wan", file)
     adapter = LoraAdapterStore(s, pin=False, dtype=torch.float32).read("wan", file, digest)
-    loaded = lora_modules(diffusers_loaded(file))
-    assert loaded, "diffusers loaded the file"
+    modules = lora_modules(loaded(WAN, file))
+    assert modules, "diffusers loaded the file"
     g = torch.Generator().manual_seed(0)
-    for module, layer in loaded.items():
+    for module, layer in modules.items():
         x = module_input(layer, 3, g)
         got = slot_delta(adapter.a, adapter.b, adapter.scaling, s, module, x.flatten(1))
         torch.testing.assert_close(got, peft_delta(layer, x), rtol=1e-5, atol=1e-6, msg=module)
-    return adapter, set(loaded)
+    return adapter, set(modules)
 
 
 @pytest.fixture

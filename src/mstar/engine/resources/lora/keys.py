@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 PEFT_PREFIX = "base_model.model."
 
@@ -63,3 +63,16 @@ def split_key(name: str) -> tuple[str, str]:
 def peft_keys(keys: Sequence[str]) -> dict[str, tuple[str, str]]:
     """PEFT's layout: each key's (module, role), the module named less PEFT's base_model.model."""
     return {key: split_key(key.removeprefix(PEFT_PREFIX)) for key in keys}
+
+
+def trainer_key(key: str, kohya: Mapping[str, str]) -> tuple[str, str, bool]:
+    """(module, role, whether the module is named as the model's own trainers name it) of a
+    diffusion LoRA key: diffusion_model.<native name>; lora_unet_<native name, dots as
+    underscores>, looked up in kohya (its _-joined form -> the name), never split by guesswork;
+    anything else, such as diffusers' transformer.<module>, less its prefix."""
+    if key.startswith("diffusion_model."):
+        return (*split_key(key.removeprefix("diffusion_model.")), True)
+    if key.startswith("lora_unet_"):
+        flat, role = split_key(key.removeprefix("lora_unet_"))
+        return (kohya[flat], role, True) if flat in kohya else ("lora_unet_" + flat, role, False)
+    return (*split_key(key.removeprefix("transformer.")), False)

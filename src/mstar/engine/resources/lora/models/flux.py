@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..keys import split_key
+from ..keys import trainer_key
 from ..spec import LoraSpec, LoraTarget
 
 DOUBLE = r"(?:transformer_blocks|double_blocks)\.(?P<layer>\d+)\."
@@ -100,15 +100,8 @@ class FluxKeys:
     single: int
 
     def __call__(self, keys: Sequence[str]) -> dict[str, tuple[str, str]]:
-        out = {}
-        for key in keys:
-            if key.startswith("lora_unet_"):
-                flat, role = split_key(key.removeprefix("lora_unet_"))
-                module = bfl_names(self.double, self.single).get(flat, "lora_unet_" + flat)
-            else:
-                module, role = split_key(key.removeprefix("transformer.").removeprefix("diffusion_model."))
-            out[key] = (module, role)
-        return out
+        names = bfl_names(self.double, self.single)
+        return {key: trainer_key(key, names)[:2] for key in keys}
 
 
 @functools.lru_cache(maxsize=16)

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..keys import split_key
+from ..keys import trainer_key
 from ..spec import LoraSpec, LoraTarget
 
 BLOCK = r"blocks\.(?P<layer>\d+)\."
@@ -86,16 +86,8 @@ class WanKeys:
     def __call__(self, keys: Sequence[str]) -> dict[str, tuple[str, str]]:
         out = {}
         for key in keys:
-            if key.startswith("diffusion_model."):
-                module, role = split_key(key.removeprefix("diffusion_model."))
-                module = to_diffusers(module)
-            elif key.startswith("lora_unet_"):
-                flat, role = split_key(key.removeprefix("lora_unet_"))
-                native = kohya_names(self.layers).get(flat)
-                module = to_diffusers(native) if native else "lora_unet_" + flat
-            else:
-                module, role = split_key(key.removeprefix("transformer."))
-            out[key] = (module, role)
+            module, role, native = trainer_key(key, kohya_names(self.layers))
+            out[key] = (to_diffusers(module) if native else module, role)
         return out
 
 
