@@ -175,3 +175,18 @@ def test_pin_without_cuda_is_refused_at_construction():
 def test_pin_true_pins_exactly_the_layout(adapter_path):
     ad = store(pin=True).read("a", adapter_path)
     assert all(t.is_pinned() for t in (*ad.a.values(), *ad.b.values()))
+
+
+def test_views_of_the_mapped_file_stay_valid_after_the_mapping_is_left(adapter_path):
+    """torch.frombuffer holds no buffer export, so closing the map would leave this view dangling."""
+    from safetensors.torch import load_file
+
+    from mstar.engine.resources.lora.checkpoint import open_checkpoint
+    from mstar.engine.resources.lora.digest import mapped
+    from mstar.engine.resources.lora.layout import tensor_at
+
+    ckpt = open_checkpoint(adapter_path)
+    key, entry = next(iter(ckpt.header.tensors.items()))
+    with mapped(ckpt) as mm:
+        view = tensor_at(mm, entry)
+    assert torch.equal(view, load_file(ckpt.weights)[key])

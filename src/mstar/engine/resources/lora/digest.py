@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import mmap
 from collections.abc import Iterator
@@ -20,18 +19,19 @@ DOMAIN = b"mstar-lora adapter digest v1\0"
 
 @contextmanager
 def mapped(checkpoint: Checkpoint) -> Iterator[mmap.mmap]:
-    """The weights file mapped copy-on-write: writable for torch.frombuffer, never written back."""
+    """The weights file mapped copy-on-write: writable for torch.frombuffer, never written back.
+
+    Never closed here: torch.frombuffer keeps a reference to the map but no buffer export, so
+    closing it would leave any tensor view still alive (one held by a traceback, say) pointing
+    at unmapped memory. The mapping goes when its last reference does.
+    """
     with open(checkpoint.weights, "rb") as f:
         if checkpoint.size == 0:
             raise checkpoint.refusal(["the file is empty"])
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    try:
-        if len(mm) != checkpoint.size:
-            raise checkpoint.refusal(["the file changed size while it was read"])
-        yield mm
-    finally:
-        with contextlib.suppress(BufferError):  # a tensor view still holds it; it closes when that view dies
-            mm.close()
+    if len(mm) != checkpoint.size:
+        raise checkpoint.refusal(["the file changed size while it was read"])
+    yield mm
 
 
 def adapter_digest(
