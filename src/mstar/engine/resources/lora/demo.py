@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
+from .checkpoint import open_checkpoint
 from .cli import table
 from .hf import TokenSlots, attach
 from .keys import PEFT_PREFIX
@@ -53,37 +54,24 @@ def _suffixes(target: str) -> list[str]:
     return [suffix for _, suffix in DECODER_MODULES[target]]
 
 
-def merged_reference(model_cls, config, state, path: Path, scaling_of) -> torch.nn.Module:
+def merged_reference(model_cls, config, state, path: Path | None, scalings: dict[str, float]) -> torch.nn.Module:
     """The base model with one adapter merged into its weights, W + scaling * B A, straight from the file."""
     model = model_cls(config).eval()
     model.load_state_dict(state)
+    if path is None:
+        return model
     tensors = load_file(path / "adapter_model.safetensors")
     with torch.no_grad():
         for key, a in tensors.items():
             if key.endswith(".lora_A.weight"):
                 module = key[len(PEFT_PREFIX) : -len(".lora_A.weight")]
                 b = tensors[key.replace("lora_A", "lora_B")]
-                model.get_submodule(module).weight += scaling_of(module) * (b.float() @ a.float())
+                model.get_submodule(module).weight += scalings[module] * (b.float() @ a.float())
     return model
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    try:
-        import transformers
-    except ImportError:
-        print("mstar-lora demo runs a small transformers model: pip install transformers", file=sys.stderr)
-        return 2
-    from .checkpoint import open_checkpoint
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    raw = load_config(args.model)
-    spec = specs_from_config(raw, max_rank=MAX_RANK, capacity=4)["language_model"]
-    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="mstar-lora-demo-"))
-    print(f"model {args.model}: targets {', '.join(spec.targets)}; max_rank {MAX_RANK}; device {device}")
-
-    paths = write_samples(spec, root, args.adapters)
-    print(f"wrote {len(paths)} sample PEFT adapters to {root}\n")
-
+def startup_check(spec, paths: dict[str, Path]) -> dict[str, bytes]:
+    """check_adapter_file on every sample, printed; the digests of those that can be served."""
     rows, digests = [], {}
     for name, path in tqdm(paths.items(), desc="startup check", unit="adapter", disable=None, file=sys.stderr):
         t = time.perf_counter()
@@ -96,66 +84,87 @@ def run_demo(args: argparse.Namespace) -> int:
                      "digest": digests.get(name, b"").hex()[:16], "check ms": f"{(time.perf_counter() - t) * 1e3:.2f}",
                      "verdict": verdict})
     print(table(rows, ["adapter", "size", "check ms", "digest", "verdict"]) + "\n")
+    return digests
 
+
+def load_and_activate(spec, paths, digests, batch: list[str | None], device: str) -> LoraDevicePool:
+    """The batch's adapters through the store into a device pool, printing what each step moved."""
     store = LoraAdapterStore(spec, pin=device == "cuda", dtype=torch.float32)
     pool = LoraDevicePool(spec, slots=4, device=device, dtype=torch.float32)
-    served = [n for n in digests]
-    batch = [served[0], None, served[1], served[0], served[2 % len(served)], None][: max(2, len(served) + 1)]
+    needed = [n for n in batch if n]
     rows = []
-    for name in dict.fromkeys(n for n in batch if n):
+    for name in dict.fromkeys(needed):
         t = time.perf_counter()
         adapter = store.load(name, paths[name], digests[name])
         read_ms = (time.perf_counter() - t) * 1e3
         copies, fills, moved = pool.copies, pool.fills, pool.bytes_moved
         t = time.perf_counter()
-        slot = pool.activate(adapter, keep=[n for n in batch if n])
+        slot = pool.activate(adapter, keep=needed)
         if device == "cuda":
             torch.cuda.synchronize()
         rows.append({"adapter": name, "rank": adapter.rank, "scaling": f"{adapter.scaling:g}",
-                     "targets": len(adapter.a),
-                     "host bytes": adapter.nbytes, "read ms": f"{read_ms:.2f}", "slot": slot,
-                     "copies": pool.copies - copies, "fills": pool.fills - fills, "moved": pool.bytes_moved - moved,
-                     "activate ms": f"{(time.perf_counter() - t) * 1e3:.2f}"})
+                     "targets": len(adapter.a), "host bytes": adapter.nbytes, "read ms": f"{read_ms:.2f}",
+                     "slot": slot, "copies": pool.copies - copies, "fills": pool.fills - fills,
+                     "moved": pool.bytes_moved - moved, "activate ms": f"{(time.perf_counter() - t) * 1e3:.2f}"})
     again = pool.copies
-    for name in (n for n in batch if n):
-        pool.activate(store.get(name), keep=[n for n in batch if n])
+    for name in needed:
+        pool.activate(store.get(name), keep=needed)
     print(table(rows, ["adapter", "rank", "scaling", "targets", "host bytes", "read ms", "slot", "copies", "fills",
                        "moved", "activate ms"]))
     print(f"store holds {len(store)} adapters, {store.nbytes} bytes; re-activating the resident ones copied "
           f"{pool.copies - again} times\n")
+    return pool
+
+
+def mixed_batch(raw: dict, spec, pool: LoraDevicePool, paths, batch: list[str | None], device: str) -> float:
+    """One forward of the batch with the pool's op in a tiny transformers model, each row checked
+    against its adapter merged into the base weights; the worst logit difference."""
+    import transformers
 
     cfg = transformers.AutoConfig.for_model(**raw)
     torch.manual_seed(0)
-    base = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    state = {k: v.clone() for k, v in base.state_dict().items()}
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
     slots = TokenSlots()
-    attach(base, {"language_model": pool}, slots)
-    base.to(device)
+    attach(model, {"language_model": pool}, slots)
+    model.to(device)
     ids = torch.randint(1, cfg.vocab_size, (len(batch), 12), generator=torch.Generator().manual_seed(1))
     slots.rows = torch.tensor([pool.slot_of(n) if n else -1 for n in batch], device=device)
     t = time.perf_counter()
     with torch.no_grad():
-        logits = base(ids.to(device)).logits.float().cpu()
-    batch_ms = (time.perf_counter() - t) * 1e3
-
-    worst = 0.0
-    rows = []
-    cls = type(base)
+        logits = model(ids.to(device)).logits.float().cpu()
+    print(f"one forward of a {len(batch)}-row batch mixing {len(set(batch) - {None})} adapters and the base model: "
+          f"{(time.perf_counter() - t) * 1e3:.1f} ms")
+    rows, worst = [], 0.0
     for i, name in enumerate(tqdm(batch, desc="reference", unit="row", disable=None, file=sys.stderr)):
-        ckpt = open_checkpoint(paths[name]) if name else None
-        scalings = ckpt.scalings(spec.convert_keys) if name else {}
-        ref = merged_reference(cls, cfg, state, paths[name], scalings.__getitem__) if name else None
-        if ref is None:
-            ref = cls(cfg).eval()
-            ref.load_state_dict(state)
+        scalings = open_checkpoint(paths[name]).scalings(spec.convert_keys) if name else {}
+        ref = merged_reference(type(model), cfg, state, paths[name] if name else None, scalings)
         with torch.no_grad():
-            want = ref(ids[i : i + 1]).logits.float()
-        diff = (logits[i : i + 1] - want).abs().max().item()
+            diff = (logits[i : i + 1] - ref(ids[i : i + 1]).logits.float()).abs().max().item()
         worst = max(worst, diff)
         rows.append({"row": i, "adapter": name or "(base)", "max |logit diff| vs merged weights": f"{diff:.2e}"})
-    print(f"one forward of a {len(batch)}-row batch mixing {len(set(batch) - {None})} adapters and the base model: "
-          f"{batch_ms:.1f} ms")
     print(table(rows, ["row", "adapter", "max |logit diff| vs merged weights"]))
+    return worst
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("mstar-lora demo runs a small transformers model: pip install transformers", file=sys.stderr)
+        return 2
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    raw = load_config(args.model)
+    spec = specs_from_config(raw, max_rank=MAX_RANK, capacity=4)["language_model"]
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="mstar-lora-demo-"))
+    print(f"model {args.model}: targets {', '.join(spec.targets)}; max_rank {MAX_RANK}; device {device}")
+    paths = write_samples(spec, root, args.adapters)
+    print(f"wrote {len(paths)} sample PEFT adapters to {root}\n")
+    digests = startup_check(spec, paths)
+    served = list(digests)
+    batch = [served[0], None, served[1], served[0], served[2 % len(served)], None][: max(2, len(served) + 1)]
+    pool = load_and_activate(spec, paths, digests, batch, device)
+    worst = mixed_batch(raw, spec, pool, paths, batch, device)
     ok = worst < 1e-3
     verdict = "every row matches" if ok else "MISMATCH:"
     print(f"\n{verdict} its adapter merged into the base weights (worst {worst:.1e})")
