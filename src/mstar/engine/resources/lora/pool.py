@@ -52,6 +52,7 @@ class LoraDevicePool:
         self._names: list[str | None] = [None] * slots
         self._digests: list[bytes] = [b""] * slots
         self._recent: OrderedDict[int, None] = OrderedDict((k, None) for k in range(slots))
+        self._in_flight: list[tuple[torch.cuda.Event, LoadedAdapter]] = []
         self.copies = 0
         self.fills = 0
         self.bytes_moved = 0
@@ -82,19 +83,31 @@ class LoraDevicePool:
         if slot is None:
             slot = self._free_slot(set(keep))
         self._check(adapter)
+        asynchronous = False
         for name, slab in self.slabs.items():
             if name in adapter.a:
                 src = host_block(adapter, name)
+                asynchronous |= self.device.type == "cuda" and src.is_pinned()
                 slab[slot, : src.numel()].copy_(src, non_blocking=src.is_pinned())
                 self.copies += 1
                 self.bytes_moved += src.numel() * src.element_size()
             else:  # no weights of the last adapter may leak into this one
                 slab[slot].zero_()
                 self.fills += 1
+        self._hold_until_copied(adapter if asynchronous else None)
         self.scaling[slot] = adapter.scaling
         self._names[slot], self._digests[slot] = adapter.name, adapter.digest
         self._recent.move_to_end(slot)
         return slot
+
+    def _hold_until_copied(self, adapter: LoadedAdapter | None) -> None:
+        """Keep an adapter whose copies are still in flight referenced until they land: the host tier
+        may drop it meanwhile, and its pinned buffer must outlive the transfer."""
+        self._in_flight = [(event, a) for event, a in self._in_flight if not event.query()]
+        if adapter is not None:
+            event = torch.cuda.Event()
+            event.record()
+            self._in_flight.append((event, adapter))
 
     def deactivate(self, name: str) -> None:
         """Free name's slot (its weights stay until the slot is reused, and are then overwritten)."""
