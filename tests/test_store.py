@@ -190,3 +190,29 @@ def test_views_of_the_mapped_file_stay_valid_after_the_mapping_is_left(adapter_p
     with mapped(ckpt) as mm:
         view = tensor_at(mm, entry)
     assert torch.equal(view, load_file(ckpt.weights)[key])
+
+
+def test_a_buffer_is_reused_only_once_nothing_views_it_and_comes_back_clean(tmp_path):
+    _, full = make_adapter(tmp_path, name="full", r=8, seed=1)
+    _, thin = make_adapter(tmp_path, name="thin", r=2, seed=2, layers_to_transform=[1])
+    s = store(dtype=torch.float32)
+    first = s.read("full", full)
+    ptr = first.a["qkv_proj"].untyped_storage().data_ptr()
+    before = {t: v.clone() for t, v in first.a.items()}
+    kept = s.read("thin", thin)
+    assert kept.a["qkv_proj"].untyped_storage().data_ptr() != ptr, "full is still viewed"
+    assert all(torch.equal(first.a[t], before[t]) for t in before)
+    del first
+    reused = s.read("thin", thin)
+    assert reused.a["qkv_proj"].untyped_storage().data_ptr() == ptr, "full's buffer, free now, is reused"
+    fresh = store(dtype=torch.float32).read("thin", thin)
+    for t in fresh.a:  # no weights of "full" left in the padding or the untouched layers
+        assert torch.equal(reused.a[t], fresh.a[t]) and torch.equal(reused.b[t], fresh.b[t])
+    assert s.mapped_bytes == 2 * reused.nbytes
+
+
+def test_spare_buffers_are_bounded(adapter_path):
+    s = store()
+    for _ in range(5):
+        s.read("a", adapter_path)
+    assert s.mapped_bytes <= 3 * s.read("a", adapter_path).nbytes

@@ -14,7 +14,7 @@ import torch
 
 from .check import as_linear
 from .checkpoint import Checkpoint
-from .host_memory import buffer_bytes, carve, host_buffer
+from .host_memory import HostBuffers, buffer_bytes, carve
 from .safetensors_header import TensorEntry
 from .spec import LoraSpec, LoraTarget
 
@@ -41,11 +41,13 @@ def tensor_at(mm: mmap.mmap, e: TensorEntry) -> torch.Tensor:
 
 
 def read_layout(
-    ckpt: Checkpoint, spec: LoraSpec, mm: mmap.mmap, rank: int, world_size: int, dtype: torch.dtype
+    ckpt: Checkpoint, spec: LoraSpec, mm: mmap.mmap, rank: int, world_size: int, dtype: torch.dtype,
+    buffers: HostBuffers,
 ) -> tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(largest rank served, a, b) for this rank, in one host buffer of exactly the layout's size.
 
-    The buffer comes zeroed from the kernel, so padding and untouched layers cost nothing.
+    A fresh buffer comes zeroed from the kernel, so padding and untouched layers cost nothing; a
+    reused one is zeroed only where the pieces do not cover every byte.
     """
     placed = place(ckpt, spec)
     R = spec.max_rank
@@ -53,7 +55,8 @@ def read_layout(
     for name in placed:
         t = spec.targets[name]
         shapes += [t.a_shape(R, world_size), t.b_shape(R, world_size)]
-    views = carve(host_buffer(buffer_bytes(shapes, dtype)), shapes, dtype)
+    buf, fresh = buffers.take(buffer_bytes(shapes, dtype))
+    views = carve(buf, shapes, dtype)
     a = dict(zip(placed, views[0::2], strict=True))
     b = dict(zip(placed, views[1::2], strict=True))
     top, scaling = 0, ckpt.scaling(spec.convert_keys)
@@ -67,7 +70,7 @@ def read_layout(
                                       scalings[module] / scaling, R, rank, world_size)
         ]
         top = max([top] + [p.r for p in pieces])
-        write_pieces(t, a[name], b[name], pieces, R, t.out_shards(world_size))
+        write_pieces(t, a[name], b[name], pieces, R, t.out_shards(world_size), fresh)
     return top, a, b
 
 
@@ -103,7 +106,8 @@ def shard_pieces(
 
 
 def write_pieces(
-    t: LoraTarget, a: torch.Tensor, b: torch.Tensor, pieces: list[Piece], R: int, out_shards: tuple[int, ...]
+    t: LoraTarget, a: torch.Tensor, b: torch.Tensor, pieces: list[Piece], R: int, out_shards: tuple[int, ...],
+    zeroed: bool,
 ) -> None:
     """Pieces into a [layers, slices*R, in_shard] and b [layers, out_shard, R].
 
@@ -119,6 +123,9 @@ def write_pieces(
         torch.cat([p.a for p in pieces], 0, out=a.view(-1, a.shape[-1]))
         torch.cat([p.b for p in pieces], 0, out=b.view(-1, R))
         return
+    if not zeroed:
+        a.zero_()
+        b.zero_()
     starts = [sum(out_shards[:sl]) for sl in range(S)]
     for p in pieces:
         a[p.layer, p.slice * R : p.slice * R + p.r].copy_(p.a)

@@ -27,7 +27,7 @@ from .check import (
 )
 from .checkpoint import open_checkpoint
 from .digest import adapter_digest, mapped
-from .host_memory import pin_for
+from .host_memory import HostBuffers
 from .layout import read_layout
 from .spec import LoraSpec
 
@@ -98,6 +98,7 @@ class LoraAdapterStore:
         self.dtype = dtype or spec.dtype
         self._held: OrderedDict[str, LoadedAdapter | None] = OrderedDict()
         self._reading: dict[str, Future[LoadedAdapter]] = {}
+        self._buffers = HostBuffers(self.pin)
         self._lock = threading.Lock()
 
     # --- what is held: hold and drop alone decide it -------------------------------------
@@ -153,6 +154,12 @@ class LoraAdapterStore:
         with self._lock:
             return sum(a.nbytes for a in self._held.values() if a is not None)
 
+    @property
+    def mapped_bytes(self) -> int:
+        """Host bytes mapped for copies: those held, those still viewed elsewhere, and a few spares
+        kept for the next reads."""
+        return self._buffers.nbytes
+
     # --- reading: outside the lock -------------------------------------------------------
 
     def read(self, name: str, path: str | os.PathLike[str], digest: bytes | None = None) -> LoadedAdapter:
@@ -172,11 +179,8 @@ class LoraAdapterStore:
                         [f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was checked "
                          "with: the file changed since"]
                     )
-            top, a, b = read_layout(ckpt, self.spec, mm, self.rank, self.world_size, self.dtype)
-        adapter = LoadedAdapter(name, digest or b"", top, ckpt.scaling(self.spec.convert_keys), a, b)
-        if self.pin and a:
-            pin_for(adapter, next(iter(a.values())))
-        return adapter
+            top, a, b = read_layout(ckpt, self.spec, mm, self.rank, self.world_size, self.dtype, self._buffers)
+        return LoadedAdapter(name, digest or b"", top, ckpt.scaling(self.spec.convert_keys), a, b)
 
     def load(self, name: str, path: str | os.PathLike[str], digest: bytes | None = None) -> LoadedAdapter:
         """Hold name and read it from path unless its copy is in."""
