@@ -117,6 +117,17 @@ def test_read_with_digest_refuses_a_file_changed_since_it_was_checked(tmp_path):
     assert s.get("ad") is None
 
 
+def test_load_reads_again_when_the_checked_digest_changed(tmp_path):
+    _, path = make_adapter(tmp_path)
+    s = store()
+    old = s.load("ad", path, check_adapter_file(s.spec, "ad", path))
+    make_adapter(tmp_path, seed=9)  # rewritten, then checked again by the API server
+    new_digest = check_adapter_file(s.spec, "ad", path)
+    new = s.load("ad", path, new_digest)
+    assert new is not old and new.digest == new_digest and s.get("ad") is new
+    assert s.load("ad", path, new_digest) is new
+
+
 def test_many_threads_at_once_keep_every_rule(adapter_path):
     s = store(capacity=3)
     template = s.read("t", adapter_path)

@@ -160,9 +160,11 @@ def adapter_targets(spec: LoraSpec, path: str | os.PathLike[str]) -> set[str]:
 def check_adapter_file(
     spec: LoraSpec, name: str, path: str | os.PathLike[str], others: Sequence[LoraSpec] = ()
 ) -> bytes:
-    """The adapter at path checked against spec and the model's others, each from the checkpoint's
-    header; returns its digest. The digest is read once per way the specs convert the checkpoint.
-    Raises ValueError for an adapter the deployment cannot serve."""
+    """The adapter at path checked against spec and the model's others (its LoRA specs for other
+    nodes, a vision tower's say, which serve the same adapters), each from the checkpoint's header;
+    returns its digest. The digest is read once per way the specs convert the checkpoint
+    (convert_keys), so once for specs that read it alike. Raises ValueError for an adapter the
+    deployment cannot serve."""
     ckpt = open_checkpoint(path, name)
     specs = (spec, *others)
     problems = adapter_problems(specs, ckpt)

@@ -183,11 +183,15 @@ class LoraAdapterStore:
         return LoadedAdapter(name, digest or b"", top, ckpt.scaling(self.spec.convert_keys), a, b)
 
     def load(self, name: str, path: str | os.PathLike[str], digest: bytes | None = None) -> LoadedAdapter:
-        """Hold name and read it from path unless its copy is in."""
+        """Hold name and read it from path unless its copy is in.
+
+        A copy read under another digest than the one given is not its copy: the file changed and
+        was checked again, so it is read again.
+        """
         self.hold(name)
         with self._lock:
             copy = self._held.get(name)
-            if copy is not None:
+            if copy is not None and (digest is None or copy.digest == digest):
                 return copy
             future = self._reading.get(name)
             mine = future is None
