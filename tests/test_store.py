@@ -9,6 +9,8 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny import make_adapter, model_config
 
 from mstar.engine.resources.lora.models import specs_from_config
@@ -227,3 +229,28 @@ def test_spare_buffers_are_bounded(adapter_path):
     for _ in range(5):
         s.read("a", adapter_path)
     assert s.mapped_bytes <= 3 * s.read("a", adapter_path).nbytes
+
+
+names = st.sampled_from("abcdef")
+calls = st.lists(st.one_of(st.tuples(st.just("hold"), names, st.frozensets(names, max_size=3)),
+                           st.tuples(st.just("drop"), names, st.just(frozenset()))), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(calls, st.integers(1, 4))
+def test_what_is_held_follows_from_hold_and_drop_alone(sequence, capacity):
+    """Against the rule written out as a list: most recent last, the least recent past capacity
+    dropped unless this call keeps it."""
+    s = store(capacity=capacity)
+    model: list[str] = []
+    for op, name, keep in sequence:
+        if op == "drop":
+            s.drop(name)
+            model = [n for n in model if n != name]
+            continue
+        assert s.hold(name, keep) == (name not in model)
+        model = [n for n in model if n != name] + [name]
+        over = len(model) - capacity
+        victims = [n for n in model if n != name and n not in keep][: max(over, 0)]
+        model = [n for n in model if n not in victims]
+        assert s.held() == model
