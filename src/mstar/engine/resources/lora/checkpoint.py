@@ -54,6 +54,8 @@ def locate_files(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
         if p.suffix != ".safetensors":
             raise ValueError(f"{p.name} is not a safetensors file")
         weights = p
+    elif p.exists():
+        raise ValueError("not a regular file or directory")
     else:
         raise ValueError("no such file or directory")
     config = weights.parent / CONFIG
