@@ -232,3 +232,22 @@ def test_unknown_architecture_names_it_and_the_known_ones():
 def test_adapters_saved_in_bf16_check_the_same_way(tmp_path):
     _, path = make_adapter(tmp_path, dtype=torch.bfloat16)
     assert not inspect_adapter(lm_spec(), path).misfits
+
+
+def header_bytes(path):
+    data = (path / "adapter_model.safetensors").read_bytes()
+    return data[: 8 + int.from_bytes(data[:8], "little")]
+
+
+def test_a_header_seen_before_is_judged_with_its_own_config(tmp_path):
+    """Headers are parsed and inspected once per distinct bytes; the config still decides."""
+    _, first = make_adapter(tmp_path, name="first")
+    _, second = make_adapter(tmp_path, name="second", seed=5)  # same shapes: a byte-identical header
+    assert header_bytes(first) == header_bytes(second)
+    spec = lm_spec()
+    check_adapter_file(spec, "first", first)
+    raw = json.loads((second / "adapter_config.json").read_text())
+    (second / "adapter_config.json").write_text(json.dumps({**raw, "r": 8}))
+    refused(spec, second, r"rank 4, but adapter_config\.json gives it r=8", name="second")
+    assert check_adapter_file(spec, "first", first) != check_adapter_file(spec, "x", make_adapter(
+        tmp_path, name="third", seed=6)[1]), "weights still digest apart"

@@ -102,6 +102,15 @@ def _module_problem(spec: LoraSpec, module: str, roles: dict[str, tuple[int, ...
 
 
 def _inspect(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
+    """What spec makes of the checkpoint's header and config: once per distinct header and config."""
+    key = ("inspect", spec, repr(ckpt.config))
+    memo = ckpt.header.memo
+    if key not in memo:
+        memo[key] = _inspect_header(spec, ckpt)
+    return memo[key]
+
+
+def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
     info = inspect_keys(spec, [(k, e.shape) for k, e in ckpt.header.tensors.items()])
     misfits = dict(info.misfits)
     config = ckpt.config

@@ -79,10 +79,11 @@ class Checkpoint:
         return self.weights.stat().st_size
 
     def modules(self, convert_keys: ConvertKeys) -> Modules:
-        """module -> role -> tensor, as convert_keys reads the keys (computed once per conversion)."""
-        if convert_keys not in self._cache:
-            self._cache[convert_keys] = _group(self.header.tensors, convert_keys)
-        return self._cache[convert_keys]
+        """module -> role -> tensor, as convert_keys reads the keys (once per header and conversion)."""
+        memo = self.header.memo
+        if convert_keys not in memo:
+            memo[convert_keys] = _group(self.header.tensors, convert_keys)
+        return memo[convert_keys]
 
     def scalings(self, convert_keys: ConvertKeys) -> dict[str, float]:
         """Each module's alpha / r (or / sqrt(r) with rsLoRA), from its alpha tensor, else the config

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,9 +50,13 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class Header:
+    """A checked header. Shared by every file whose first bytes are the same (read_header caches
+    it), so it is never mutated; memo holds what is derived from it alone."""
+
     tensors: dict[str, TensorEntry]
     metadata: dict[str, str]
     data_start: int
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def parse_header(prefix: bytes, file_size: int) -> Header:
@@ -139,4 +144,11 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         n = int.from_bytes(head, "little") if len(head) == 8 else 0
         if len(head) == 8 and n <= MAX_HEADER_BYTES and 8 + n <= size:
             head += f.read(n)
-    return parse_header(head, size)
+    return _parse_cached(bytes(head), size)
+
+
+@functools.lru_cache(maxsize=64)  # an 8B model's header and what is derived from it: about 200 KB
+def _parse_cached(prefix: bytes, file_size: int) -> Header:
+    # Adapters trained with one recipe (same modules, ranks, dtype) have byte-identical headers:
+    # a deployment's startup check parses and inspects each distinct header once.
+    return parse_header(prefix, file_size)
