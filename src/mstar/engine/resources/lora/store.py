@@ -10,7 +10,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +30,8 @@ from .digest import adapter_digest, mapped
 from .host_memory import HostBuffers
 from .layout import read_layout
 from .spec import LoraSpec
+
+_HASHER = ThreadPoolExecutor(1, thread_name_prefix="mstar-lora-digest")
 
 __all__ = [
     "LoadedAdapter",
@@ -171,16 +173,18 @@ class LoraAdapterStore:
         # Checked again, not trusted from startup: the file may have changed since.
         ckpt = open_checkpoint(path, name)
         refuse_misfits(self.spec, ckpt)
+        conv = self.spec.convert_keys
         with mapped(ckpt) as mm:
-            if digest is not None:
-                found = adapter_digest(ckpt, self.spec.convert_keys, mm)
-                if found != digest:
-                    raise ckpt.refusal(
-                        [f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was checked "
-                         "with: the file changed since"]
-                    )
-            top, a, b = read_layout(ckpt, self.spec, mm, self.rank, self.world_size, self.dtype, self._buffers)
-        return LoadedAdapter(name, digest or b"", top, ckpt.scaling(self.spec.convert_keys), a, b)
+            # The hash (which releases the GIL) runs beside the copy; nothing is returned unless it matches.
+            hashing = _HASHER.submit(adapter_digest, ckpt, conv, mm) if digest is not None else None
+            try:
+                top, a, b = read_layout(ckpt, self.spec, mm, self.rank, self.world_size, self.dtype, self._buffers)
+            finally:
+                found = hashing.result() if hashing else None
+        if found != digest:
+            raise ckpt.refusal([f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was "
+                                "checked with: the file changed since"])
+        return LoadedAdapter(name, digest or b"", top, ckpt.scaling(conv), a, b)
 
     def load(self, name: str, path: str | os.PathLike[str], digest: bytes | None = None) -> LoadedAdapter:
         """Hold name and read it from path unless its copy is in.
