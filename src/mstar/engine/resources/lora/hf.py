@@ -31,8 +31,8 @@ class TokenSlots:
             if len(self.patches) != tokens:
                 raise ValueError(f"{tokens} vision tokens, but slots were given for {len(self.patches)}")
             return self.patches
-        if tokens % max(len(self.rows), 1):
-            raise ValueError(f"{tokens} tokens do not split into {len(self.rows)} rows")
+        if not len(self.rows) or tokens % len(self.rows):
+            raise ValueError(f"{tokens} tokens do not split into the {len(self.rows)} rows slots were given for")
         return self.rows.repeat_interleave(tokens // len(self.rows))
 
 
