@@ -114,12 +114,13 @@ def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
     info = inspect_keys(spec, [(k, e.shape) for k, e in ckpt.header.tensors.items()])
     misfits = dict(info.misfits)
     config = ckpt.config
+    skip = set(misfits) | set(info.unmapped)  # judged already, or another node's
     for module, roles in ckpt.modules(spec.convert_keys).items():
-        a = roles.get("A")
-        if a is None or module in misfits or not a.shape:
+        a, b = roles.get("A"), roles.get("B")
+        if a is None or b is None or module in skip:
             continue
-        if a.dtype not in ("F32", "F16", "BF16") or roles.get("B", a).dtype != a.dtype:
-            misfits[module] = f"factors of dtype {a.dtype} / {roles['B'].dtype}; LoRA weights are floats of one dtype"
+        if a.dtype not in ("F32", "F16", "BF16") or b.dtype != a.dtype:
+            misfits[module] = f"factors of dtype {a.dtype} / {b.dtype}; LoRA weights are floats of one dtype"
         elif config is not None and a.shape[0] != config.rank_of(module):
             misfits[module] = (
                 f"rank {a.shape[0]}, but adapter_config.json gives it r={config.rank_of(module)}, "
