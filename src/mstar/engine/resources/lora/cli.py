@@ -82,11 +82,13 @@ def module_rows(specs: dict[str, LoraSpec], path: str) -> list[dict]:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     specs = specs_from_config(args.model, max_rank=args.max_rank)
+    adapters = _adapters(args.adapters)
+    per_module = args.modules or len(adapters) == 1
     rows = []
-    for name, path in _adapters(args.adapters).items():
+    for name, path in adapters.items():
         row, problems = _row(specs, name, path)
         row["verdict"] = "ok" if not problems else "; ".join(problems)
-        if args.modules and "size" in row:
+        if per_module and "size" in row:
             row["modules"] = module_rows(specs, path)
         rows.append(row)
     if args.json:
@@ -154,7 +156,8 @@ def parser() -> argparse.ArgumentParser:
         if name == "check":
             c.add_argument("--serving", help="a JSON file mapping adapter names to paths")
         else:
-            c.add_argument("--modules", action="store_true", help="each module's target, rank and scaling too")
+            c.add_argument("--modules", action="store_true",
+                           help="each module's target, rank and scaling too (the default for one adapter)")
         c.set_defaults(fn=fn)
     d = sub.add_parser("demo", help="sample adapters through the whole pool on a tiny model")
     d.add_argument("--model", default="tiny-llama", help=model_help)
