@@ -184,6 +184,12 @@ def test_refuses_two_spellings_of_one_module(tmp_path):
     refused(lm_spec(), path, "fills the same weights as")
 
 
+def test_refuses_an_adapter_with_no_weights(tmp_path):
+    _, path = make_adapter(tmp_path)
+    safetensors.torch.save_file({}, path / "adapter_model.safetensors")
+    refused(lm_spec(), path, "it holds no weights")
+
+
 def test_check_adapters_names_every_bad_adapter(tmp_path):
     _, good = make_adapter(tmp_path, name="good")
     _, big = make_adapter(tmp_path, name="big", r=16)

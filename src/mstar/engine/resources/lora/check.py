@@ -176,6 +176,8 @@ def check_adapter_file(
     (convert_keys), so once for specs that read it alike. Raises ValueError for an adapter the
     deployment cannot serve."""
     ckpt = open_checkpoint(path, name)
+    if not ckpt.header.tensors:  # serving it would be the base model under an adapter's name
+        raise ckpt.refusal(["it holds no weights"])
     specs = (spec, *others)
     problems = adapter_problems(specs, ckpt)
     if problems:
