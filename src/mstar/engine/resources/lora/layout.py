@@ -63,11 +63,12 @@ def read_layout(
     scalings = ckpt.scalings(spec.convert_keys)
     for name, modules in placed.items():
         t = spec.targets[name]
+        shard = Shard.of(t, rank, world_size)
         pieces = [
             piece
             for layer, s, module, ea, eb in modules
-            for piece in shard_pieces(t, layer, s, tensor_at(mm, ea), tensor_at(mm, eb),
-                                      scalings[module] / scaling, R, rank, world_size)
+            for piece in shard_pieces(t, shard, layer, s, tensor_at(mm, ea), tensor_at(mm, eb),
+                                      scalings[module] / scaling)
         ]
         top = max([top] + [p.r for p in pieces])
         write_pieces(t, a[name], b[name], pieces, R, t.out_shards(world_size), fresh)
@@ -89,19 +90,35 @@ class Piece(NamedTuple):
     ratio: float
 
 
+class Shard(NamedTuple):
+    """This rank's part of a target: A's input columns, and per slice the rows of B it keeps and
+    where that slice starts in a module covering every slice."""
+
+    columns: tuple[int, int]
+    rows: tuple[tuple[int, int], ...]
+    starts: tuple[int, ...]
+
+    @staticmethod
+    def of(t: LoraTarget, rank: int, world_size: int) -> Shard:
+        starts = tuple(sum(t.out_features[:s]) for s in range(t.slices))
+        rows = tuple(t.b_rows(s, rank, world_size) for s in range(t.slices))
+        return Shard(t.a_columns(rank, world_size), rows, starts)
+
+
 def shard_pieces(
-    t: LoraTarget, layer: int, s: int | None, A: torch.Tensor, B: torch.Tensor, ratio: float, R: int,
-    rank: int, world_size: int,
+    t: LoraTarget, shard: Shard, layer: int, s: int | None, A: torch.Tensor, B: torch.Tensor, ratio: float
 ) -> list[Piece]:
     """The sharding rule, for one module: a row target splits A's input columns and keeps B whole;
     a column target keeps A whole and gives each slice's B rows to ranks by heads (or rows); a
     module covering every slice (s None) gives each slice its A and its rows of B."""
-    c0, c1 = t.a_columns(rank, world_size)
+    c0, c1 = shard.columns
+    a = A if (c0, c1) == (0, A.shape[1]) else A[:, c0:c1]
     pieces = []
     for sl in _slices(t, s):
-        r0, r1 = t.b_rows(sl, rank, world_size)
-        src0 = 0 if s is not None else sum(t.out_features[:sl])
-        pieces.append(Piece(layer, sl, A.shape[0], A[:, c0:c1], B[src0 + r0 : src0 + r1], ratio))
+        r0, r1 = shard.rows[sl]
+        src0 = 0 if s is not None else shard.starts[sl]
+        b = B if (src0 + r0, src0 + r1) == (0, B.shape[0]) else B[src0 + r0 : src0 + r1]
+        pieces.append(Piece(layer, sl, A.shape[0], a, b, ratio))
     return pieces
 
 

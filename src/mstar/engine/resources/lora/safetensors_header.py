@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -28,11 +28,11 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+ITEMSIZES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor's dtype, shape and absolute byte range in its file."""
+class TensorEntry(NamedTuple):
+    """One tensor's dtype, shape and absolute byte range in its file (a tuple: headers hold hundreds)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -106,14 +106,21 @@ def _entry(name: str, value: object, data_start: int) -> TensorEntry:
         dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
     except KeyError:
         raise ValueError(f"tensor {name!r}: entry needs exactly dtype, shape and data_offsets") from None
-    if type(dtype) is not str or dtype not in DTYPES:
+    itemsize = ITEMSIZES.get(dtype) if type(dtype) is str else None
+    if itemsize is None:
         raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
-    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+    if type(shape) is not list:
         raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
-    if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
+    size = itemsize
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
+        size *= d
+    if type(offsets) is not list or len(offsets) != 2:
         raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
     begin, end = offsets
-    size = math.prod(shape) * DTYPES[dtype].itemsize
+    if type(begin) is not int or type(end) is not int or begin < 0 or end < 0:
+        raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
     if end - begin != size:
         raise ValueError(
             f"tensor {name!r}: data_offsets [{begin}, {end}] hold {end - begin} bytes, "
