@@ -34,20 +34,17 @@ def mapped(checkpoint: Checkpoint) -> Iterator[mmap.mmap]:
     yield mm
 
 
-def adapter_digest(
-    checkpoint: Checkpoint, convert_keys: ConvertKeys, mm: mmap.mmap | None = None, data: bytes | None = None
-) -> bytes:
+def adapter_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, mm: mmap.mmap | None = None) -> bytes:
     """The BLAKE3 digest of every module's name, role, dtype, shape and scaling, in name order, and of
-    their bytes in that order (data_digest, when the caller has it already).
+    their bytes in that order.
 
     So it is the same on every node, rank and world size whatever the file's tensor order, and
     changes with any served byte or scaling.
     """
-    if data is None:
-        if mm is None:
-            with mapped(checkpoint) as mm:
-                return adapter_digest(checkpoint, convert_keys, mm)
-        data = data_digest(checkpoint, convert_keys, mm)
+    if mm is None:
+        with mapped(checkpoint) as mm:
+            return adapter_digest(checkpoint, convert_keys, mm)
+    data = data_digest(checkpoint, convert_keys, mm)
     manifest = []
     scalings = checkpoint.scalings(convert_keys)
     for module, roles in sorted(checkpoint.modules(convert_keys).items()):
