@@ -101,7 +101,7 @@ def _module_problem(spec: LoraSpec, module: str, roles: dict[str, tuple[int, ...
     return misfit(spec, module, roles["A"], roles["B"])
 
 
-def _inspect(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
+def inspect_checkpoint(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
     """What spec makes of the checkpoint's header and config: once per distinct header and config."""
     key = ("inspect", spec, repr(ckpt.config))
     memo = ckpt.header.memo
@@ -148,7 +148,7 @@ def module_reasons(problems: dict[str, str]) -> list[str]:
 
 def refuse_misfits(spec: LoraSpec, ckpt: Checkpoint) -> None:
     """Raise ValueError naming every module spec maps but cannot serve; the rest are other nodes'."""
-    info = _inspect(spec, ckpt)
+    info = inspect_checkpoint(spec, ckpt)
     if info.misfits:
         raise ckpt.refusal(module_reasons(dict(info.misfits)))
 
@@ -159,7 +159,7 @@ def inspect_adapter(spec: LoraSpec, path: str | os.PathLike[str]) -> AdapterInfo
     Reads only the safetensors header unless the model converts a native layout, which needs
     the tensors.
     """
-    return _inspect(spec, open_checkpoint(path))
+    return inspect_checkpoint(spec, open_checkpoint(path))
 
 
 def adapter_targets(spec: LoraSpec, path: str | os.PathLike[str]) -> set[str]:
@@ -191,7 +191,7 @@ def check_adapter_file(
 
 def adapter_problems(specs: Sequence[LoraSpec], ckpt: Checkpoint) -> dict[str, str]:
     """module -> why, over every node: misfits anywhere, and modules no node maps."""
-    infos = [_inspect(s, ckpt) for s in specs]
+    infos = [inspect_checkpoint(s, ckpt) for s in specs]
     problems: dict[str, str] = {}
     names = ", ".join(s.name for s in specs)
     for module in sorted(set.intersection(*(set(i.unmapped) for i in infos))):

@@ -97,14 +97,13 @@ class Checkpoint:
     def scaling(self, convert_keys: ConvertKeys) -> float:
         """The adapter's own scaling: the config's, else the scaling most modules share (so folding
         the rest into B changes the fewest); 1 where that is 0, so module scalings still fold."""
-        config = self.config or self.metadata_config
-        if config is not None:
-            return config.scaling or 1.0
+        if self.lora_config is not None:
+            return self.lora_config.scaling or 1.0
         counts = Counter(self.scalings(convert_keys).values())
         return max(counts, key=lambda s: (counts[s], -s)) if counts else 1.0
 
     def _scalings(self, convert_keys: ConvertKeys) -> dict[str, float]:
-        config = self.config or self.metadata_config
+        config = self.lora_config
         out = {}
         with open(self.weights, "rb") as f:
             for module, roles in self.modules(convert_keys).items():
@@ -121,6 +120,11 @@ class Checkpoint:
                 else:
                     out[module] = 1.0
         return out
+
+    @property
+    def lora_config(self) -> AdapterConfig | None:
+        """The config that gives rank and alpha: adapter_config.json, else the file's metadata's."""
+        return self.config or self.metadata_config
 
     @cached_property
     def metadata_config(self) -> AdapterConfig | None:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .check import adapter_problems, module_reasons
-from .checkpoint import default_name, open_checkpoint
+from .check import adapter_problems, inspect_checkpoint, module_reasons
+from .checkpoint import Checkpoint, default_name, open_checkpoint
 from .models import presets, specs_from_config
 from .spec import LoraSpec
-from .store import check_adapter_file, inspect_adapter
+from .store import check_adapter_file
 
 
 def _adapters(args: Sequence[str]) -> dict[str, str]:
@@ -43,28 +43,28 @@ def table(rows: list[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def _row(specs: dict[str, LoraSpec], name: str, path: str) -> tuple[dict, list[str]]:
-    """The table row of one adapter from its header alone, and why it cannot be served (if so)."""
+def _row(specs: dict[str, LoraSpec], name: str, path: str) -> tuple[dict, list[str], Checkpoint | None]:
+    """The table row of one adapter from its header alone, why it cannot be served (if so), and the
+    checkpoint opened (None if it could not be)."""
     row: dict = {"adapter": name, "path": path}
     try:
         ckpt = open_checkpoint(path, name)
     except ValueError as e:
-        return row, [str(e)]
+        return row, [str(e)], None
     row["size"] = _size(ckpt.size)
     nodes = list(specs.values())
-    infos = [inspect_adapter(spec, path) for spec in nodes]
+    infos = [inspect_checkpoint(spec, ckpt) for spec in nodes]
     row["rank"] = max(i.rank for i in infos)
     row["scaling"] = f"{ckpt.scaling(nodes[0].convert_keys):g}"
     problems = adapter_problems(nodes, ckpt)
     touched = [{spec.locate(m)[0] for m in problems if spec.locate(m)} | i.targets
                for spec, i in zip(nodes, infos, strict=True)]
     row["targets"] = ",".join(t for ts in touched for t in sorted(ts))
-    return row, module_reasons(problems) if problems else []
+    return row, module_reasons(problems) if problems else [], ckpt
 
 
-def module_rows(specs: dict[str, LoraSpec], path: str) -> list[dict]:
+def module_rows(specs: dict[str, LoraSpec], ckpt: Checkpoint) -> list[dict]:
     """Each module of the checkpoint as the nodes read it: target, layer, slice, rank and scaling."""
-    ckpt = open_checkpoint(path)
     rows = []
     for node, spec in specs.items():
         scalings = ckpt.scalings(spec.convert_keys)
@@ -86,10 +86,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     per_module = args.modules or len(adapters) == 1
     rows = []
     for name, path in adapters.items():
-        row, problems = _row(specs, name, path)
+        row, problems, ckpt = _row(specs, name, path)
         row["verdict"] = "ok" if not problems else "; ".join(problems)
-        if per_module and "size" in row:
-            row["modules"] = module_rows(specs, path)
+        if per_module and ckpt is not None:
+            row["modules"] = module_rows(specs, ckpt)
         rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -114,7 +114,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     nodes = list(specs.values())
     rows, bad = [], []
     for name, path in tqdm(adapters.items(), desc="checking", unit="adapter", disable=None, file=sys.stderr):
-        row, _ = _row(specs, name, path)
+        row, _, _ = _row(specs, name, path)
         try:
             row["digest"] = check_adapter_file(nodes[0], name, path, nodes[1:]).hex()[:16]
             row["verdict"] = "ok"
