@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .apply import add_lora
+from .layout import Shard
 from .pool import LoraDevicePool
 from .spec import LoraTarget
 
@@ -71,18 +72,16 @@ def shard_base(base: nn.Module, t: LoraTarget, slice_: int | None, rank: int, wo
     summed), a replicated one everything."""
     w = base.weight.data
     bias = base.bias.data if getattr(base, "bias", None) is not None else None
-    if t.parallel == "column":
-        rows, start = [], 0
-        for s in range(t.slices) if slice_ is None else (slice_,):
-            r0, r1 = t.b_rows(s, rank, world_size)
-            rows.append(torch.arange(start + r0, start + r1))
-            start += t.out_features[s] if slice_ is None else 0
-        keep = torch.cat(rows)
+    shard = Shard.of(t, rank, world_size)
+    if t.parallel == "column":  # a module covering every slice holds them back to back, as its B does
+        slices = range(t.slices) if slice_ is None else (slice_,)
+        offset = shard.starts if slice_ is None else (0,) * t.slices
+        keep = torch.cat([torch.arange(offset[s] + shard.rows[s][0], offset[s] + shard.rows[s][1]) for s in slices])
         base.weight = nn.Parameter(w[keep].clone(), requires_grad=False)
         if bias is not None:
             base.bias = nn.Parameter(bias[keep].clone(), requires_grad=False)
     elif t.parallel == "row":
-        c0, c1 = t.a_columns(rank, world_size)
+        c0, c1 = shard.columns
         base.weight = nn.Parameter(w[:, c0:c1].clone(), requires_grad=False)
         if bias is not None and rank != 0:
             base.bias = nn.Parameter(torch.zeros_like(bias), requires_grad=False)
