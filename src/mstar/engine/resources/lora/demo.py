@@ -38,20 +38,11 @@ TOO_BIG = ("too-big", 32)  # over max_rank: the startup check must refuse it by 
 def write_samples(spec, root: Path, count: int) -> dict[str, Path]:
     paths = {}
     for i, (name, (r, alpha, targets, layers, extra)) in enumerate(list(SAMPLES.items())[:count]):
-        modules = sample_modules(spec, r, seed=i, dtype=torch.bfloat16, layers=layers)
-        if targets:
-            keep = {suffix for t in targets for suffix in _suffixes(t)}
-            modules = {m: f for m, f in modules.items() if m.rsplit(".", 2)[-2] + "." + m.rsplit(".", 1)[-1] in keep}
+        modules = sample_modules(spec, r, seed=i, dtype=torch.bfloat16, layers=layers, targets=targets)
         paths[name] = write_peft_adapter(root / name, modules, alpha=alpha, **extra)
     bad = sample_modules(spec, TOO_BIG[1], seed=99, layers=range(1))
     paths[TOO_BIG[0]] = write_peft_adapter(root / TOO_BIG[0], bad, alpha=64)
     return paths
-
-
-def _suffixes(target: str) -> list[str]:
-    from .samples import DECODER_MODULES
-
-    return [suffix for _, suffix in DECODER_MODULES[target]]
 
 
 def merged_reference(model_cls, config, state, path: Path | None, scalings: dict[str, float]) -> torch.nn.Module:

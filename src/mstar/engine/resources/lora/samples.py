@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -23,13 +24,15 @@ DECODER_MODULES = {
 
 
 def sample_modules(
-    spec: LoraSpec, rank: int, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, layers: range | None = None
+    spec: LoraSpec, rank: int, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, layers: range | None = None,
+    targets: Iterable[str] | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Random (A, B) for every linear of every layer of a decoder spec, named as transformers names them."""
+    """Random (A, B) for every linear (of targets, if given) of every layer (of layers, if given) of a
+    decoder spec, named as transformers names them."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for target, modules in DECODER_MODULES.items():
-        t = spec.targets[target]
+    for target in targets or DECODER_MODULES:
+        t, modules = spec.targets[target], DECODER_MODULES[target]
         for layer in layers or range(t.layers):
             for s, suffix in modules:
                 a = torch.randn(rank, t.in_features, generator=g) / t.in_features**0.5
