@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from mstar.engine.resources.lora.models import specs_from_config
-from mstar.engine.resources.lora.samples import sample_modules, write_peft_adapter
+from mstar.engine.resources.lora.tools.samples import sample_modules, write_peft_adapter
 
 
 def llama8b_spec(max_rank: int = 16, **kw):

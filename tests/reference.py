@@ -15,7 +15,7 @@ def slot_delta(a: torch.Tensor, b: torch.Tensor, scaling: float, spec: LoraSpec,
     """delta(x)[slice s] = scaling * (x @ a[l, s*R:(s+1)*R].T) @ b[l, rows of s].T, slices concatenated."""
     target, layer, s = spec.locate(module)
     t, R = spec.targets[target], spec.max_rank
-    shards = t.out_shards(world_size)
+    shards = t.shard(0, world_size).widths()
     outs = []
     for sl in range(t.slices) if s is None else (s,):
         rows = slice(sum(shards[:sl]), sum(shards[: sl + 1]))

@@ -9,7 +9,7 @@ from diffusion import WAN, native, save_wan_lora
 from safetensors.torch import load_file, save_file
 from tiny import make_adapter, model_config, write_config
 
-from mstar.engine.resources.lora.cli import main
+from mstar.engine.resources.lora.tools.cli import main
 
 
 def test_check_names_every_bad_adapter_and_exits_1(tmp_path, capsys):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mstar.engine.resources.lora.cli import main
+from mstar.engine.resources.lora.tools.cli import main
 
 
 def test_demo_runs_and_every_row_matches_merged_weights(tmp_path, capsys):

@@ -8,6 +8,7 @@ from reference import VISION_MODULES, lora_modules, module_input, slot_delta
 from tiny import LM_TARGETS, make_adapter, model_config
 
 from mstar.engine.resources.lora.models import specs_from_config
+from mstar.engine.resources.lora.layout import TargetLayout
 from mstar.engine.resources.lora.spec import LoraTarget, shard_units
 from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_file
 
@@ -44,8 +45,12 @@ def test_indivisible_sizes_are_spec_errors():
 def test_row_target_splits_input_column_target_keeps_it():
     row = LoraTarget(2, 96, (64,), "row")
     col = LoraTarget(2, 64, (64, 16, 16), "column", (8, 2, 2))
-    assert row.a_columns(1, 4) == (24, 48) and row.a_shape(16, 4) == (2, 16, 24) and row.b_shape(16, 4) == (2, 64, 16)
-    assert col.a_columns(1, 4) == (0, 64) and col.a_shape(16, 4) == (2, 48, 64) and col.b_shape(16, 4) == (2, 32, 16)
+    r, c = (TargetLayout(t, 16, t.shard(1, 4), torch.bfloat16) for t in (row, col))
+    assert row.a_columns(1, 4) == (24, 48) and r.a_shape == (2, 16, 24) and r.b_shape == (2, 64, 16)
+    assert col.a_columns(1, 4) == (0, 64) and c.a_shape == (2, 48, 64) and c.b_shape == (2, 32, 16)
+    # q: 8 heads of 8 rows, rank 1 takes heads 2-3; k and v: 2 heads on 4 ranks, ranks 0-1 share head 0
+    assert c.shard.rows == ((16, 32), (0, 8), (0, 8))
+    assert [c.b_rows(s) for s in range(3)] == [slice(0, 16), slice(16, 24), slice(24, 32)], "packed in slice order"
 
 
 GQA = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8}

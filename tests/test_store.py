@@ -66,9 +66,8 @@ def test_accounting_counts_layout_bytes(adapter_path):
     s = store()
     ad = s.load("a", adapter_path)
     layout = sum(t.numel() * t.element_size() for t in (*ad.a.values(), *ad.b.values()))
-    spec = s.spec
-    slot = sum((t.a_shape(8)[0] * t.a_shape(8)[1] * t.a_shape(8)[2] + t.b_shape(8)[0] * t.b_shape(8)[1]
-                * t.b_shape(8)[2]) * 2 for t in spec.targets.values())
+    # every target of the 3-layer tiny Llama (hidden 64, 4 heads / 2 KV of 16, MLP 96) at max_rank 8, bf16
+    slot = 3 * 2 * (24 * 64 + 128 * 8 + 8 * 64 + 64 * 8 + 16 * 64 + 192 * 8 + 8 * 96 + 64 * 8)
     assert len(s) == 1 and s.nbytes == ad.nbytes == layout == slot
     storage = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*ad.a.values(), *ad.b.values())}
     assert len(storage) == 1, "one allocation per adapter"
@@ -168,7 +167,7 @@ def test_many_threads_at_once_keep_every_rule(adapter_path):
 
 def test_read_without_digest_reads_only_the_shard_and_has_no_digest(adapter_path):
     s = store()
-    assert s.read("a", adapter_path).digest == b""
+    assert s.read("a", adapter_path).digest is None
     digest = check_adapter_file(s.spec, "a", adapter_path)
     assert s.read("a", adapter_path, digest).digest == digest
 
@@ -195,14 +194,12 @@ def test_views_of_the_mapped_file_stay_valid_after_the_mapping_is_left(adapter_p
     from safetensors.torch import load_file
 
     from mstar.engine.resources.lora.checkpoint import open_checkpoint
-    from mstar.engine.resources.lora.digest import mapped
-    from mstar.engine.resources.lora.layout import tensor_at
+    from mstar.engine.resources.lora.reader import tensor_at
 
     ckpt = open_checkpoint(adapter_path)
     key, entry = next(iter(ckpt.header.tensors.items()))
-    with mapped(ckpt) as mm:
-        view = tensor_at(mm, entry)
-    assert torch.equal(view, load_file(ckpt.weights)[key])
+    view = tensor_at(ckpt.mapping(), entry)
+    assert torch.equal(view.reshape(entry.shape), load_file(ckpt.weights)[key])
 
 
 def test_a_buffer_is_reused_only_once_nothing_views_it_and_comes_back_clean(tmp_path):

@@ -1,4 +1,5 @@
-"""A PEFT adapter_config.json: the scaling it gives each module, and the options not served."""
+"""An adapter's LoRA config (PEFT's adapter_config.json, or the one diffusers writes into a file's
+metadata): the rank and scaling it gives each module, and the options not served."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq")
 
 @dataclass(frozen=True)
 class AdapterConfig:
-    """The fields of adapter_config.json that decide each module's scaling."""
+    """The fields of a LoRA config that decide each module's rank and scaling; source says where it
+    was read from, for messages."""
 
     r: int = 8
     lora_alpha: float = 8
@@ -39,6 +41,7 @@ class AdapterConfig:
     rank_pattern: Mapping[str, int] = field(default_factory=dict)
     alpha_pattern: Mapping[str, float] = field(default_factory=dict)
     layers_to_transform: tuple[int, ...] | None = None
+    source: str = "adapter_config.json"
 
     @property
     def scaling(self) -> float:
@@ -64,10 +67,10 @@ def _pattern_value(patterns: Mapping[str, float], module: str, default: float) -
     return default
 
 
-def parse_config(raw: object) -> AdapterConfig:
-    """An AdapterConfig from a parsed adapter_config.json; ValueError listing every unserved option."""
+def parse_config(raw: object, source: str = "adapter_config.json") -> AdapterConfig:
+    """An AdapterConfig from a parsed LoRA config; ValueError listing every unserved option."""
     if not isinstance(raw, dict):
-        raise ValueError("adapter_config.json is not a JSON object")
+        raise ValueError(f"{source} is not a JSON object")
     problems = []
     peft_type = raw.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
@@ -93,6 +96,7 @@ def parse_config(raw: object) -> AdapterConfig:
             rank_pattern=_patterns(raw.get("rank_pattern"), "rank_pattern", int),
             alpha_pattern=_patterns(raw.get("alpha_pattern"), "alpha_pattern", float),
             layers_to_transform=_layers(raw.get("layers_to_transform")),
+            source=source,
         )
     except ValueError as e:
         problems.append(str(e))

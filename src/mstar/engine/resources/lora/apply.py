@@ -24,17 +24,13 @@ def add_lora(
     whose base linears are not fused. For a row target it is the partial output that the
     all-reduce after the layer sums. Tokens are grouped by slot: clear, not fast.
     """
-    t = pool.spec.targets[target]
-    R = pool.spec.max_rank
-    shards = t.out_shards(pool.world_size)
-    starts = [sum(shards[:s]) for s in range(t.slices)]
-    slices = range(t.slices) if slice_ is None else (slice_,)
+    t = pool.layout.targets[target]
     for slot in torch.unique(slots[slots >= 0]).tolist():
         idx = (slots == slot).nonzero().squeeze(1)
         a, b = pool.a[target][slot, layer], pool.b[target][slot, layer]
         xs = x.index_select(0, idx).to(a.dtype)
         h = xs @ a.T  # [tokens, slices * R]
-        parts = [h[:, s * R : (s + 1) * R] @ b[starts[s] : starts[s] + shards[s]].T for s in slices]
+        parts = [h[:, t.a_rows(s)] @ b[t.b_rows(s)].T for s in t.target.covered(slice_)]
         delta = torch.cat(parts, 1) * pool.scaling[slot]
         out.index_add_(0, idx, delta.to(out.dtype))
     return out

@@ -8,21 +8,11 @@ from collections.abc import Iterable, Sequence
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import adapter_digest
-from .keys import ROLE_REASONS, SERVED_ROLES
-from .spec import AdapterInfo, LoraSpec
+from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
+from .spec import AdapterInfo, LoraSpec, as_linear
 
 # Modules whose LoRA changes the vocabulary side of the model, which the pool does not serve.
 _VOCAB_MODULES = ("lm_head", "embed_tokens", "wte", "embed_out", "output_layer")
-
-
-def as_linear(shape: Sequence[int]) -> tuple[int, ...]:
-    """A LoRA factor's shape as a linear's: a conv adapter's A [r, c, *kernel] and B [out, r, 1, ...]
-    flatten to [r, c * prod(kernel)] and [out, r], which is the delta on a conv whose kernel is its
-    stride, over the flattened patch."""
-    shape = tuple(shape)
-    if len(shape) <= 2:
-        return shape
-    return (shape[0], math.prod(shape[1:]))
 
 
 def misfit(spec: LoraSpec, module: str, a_shape: Sequence[int], b_shape: Sequence[int]) -> str | None:
@@ -61,44 +51,49 @@ def misfit(spec: LoraSpec, module: str, a_shape: Sequence[int], b_shape: Sequenc
 
 def inspect_keys(spec: LoraSpec, items: Iterable[tuple[str, Sequence[int]]]) -> AdapterInfo:
     """inspect_adapter over (checkpoint key, shape) pairs, as a header lists them."""
-    shapes = dict(items)
-    modules: dict[str, dict[str, tuple[int, ...]]] = {}
-    for key, (module, role) in spec.convert_keys(list(shapes)).items():
-        roles = modules.setdefault(module, {})
-        roles[role if role not in roles else f"{role}:{key}"] = tuple(shapes[key])
+    modules = group_keys({key: tuple(shape) for key, shape in items}, spec.convert_keys)
     rank, unmapped, misfits, targets = 0, [], {}, set()
     placed: dict[tuple[str, int, int], str] = {}
-    for module, roles in sorted(modules.items()):
+    for module, keys in sorted(modules.items()):
+        roles = keys.roles
         if "A" in roles:
             rank = max(rank, roles["A"][0] if roles["A"] else 0)
-        why = _module_problem(spec, module, roles)
-        if why == "unmapped":
-            unmapped.append(module)
-        elif why:
+        loc = spec.locate(module)
+        why = refused_roles(module, keys) or (
+            None if loc is None else _unpaired(roles) or misfit(spec, module, roles["A"], roles["B"]))
+        if why:
             misfits[module] = why
+        elif loc is None:
+            unmapped.append(module)
         else:
-            target, layer, s = spec.locate(module)
-            for sl in range(spec.targets[target].slices) if s is None else (s,):
-                if (target, layer, sl) in placed:  # two spellings of one module: neither is guessed
-                    misfits[module] = f"fills the same weights as {placed[target, layer, sl]}"
-                placed.setdefault((target, layer, sl), module)
-            targets.add(target)
+            for sl in spec.targets[loc.target].covered(loc.slice):
+                if (loc.target, loc.layer, sl) in placed:  # two spellings of one module: neither is guessed
+                    misfits[module] = f"fills the same weights as {placed[loc.target, loc.layer, sl]}"
+                placed.setdefault((loc.target, loc.layer, sl), module)
+            targets.add(loc.target)
     return AdapterInfo(rank, tuple(unmapped), misfits, frozenset(targets))
 
 
-def _module_problem(spec: LoraSpec, module: str, roles: dict[str, tuple[int, ...]]) -> str | None:
+def refused_roles(module: str, keys: ModuleKeys) -> str | None:
+    """Why a module is refused whichever node would serve it: weights that are not plain LoRA (by
+    name), two keys for one weight, an alpha that is not one number, LoRA on the vocabulary."""
+    roles = keys.roles
     odd = sorted(r for r in roles if r not in SERVED_ROLES)
-    if odd:
-        return "; ".join(ROLE_REASONS.get(r, f"two keys read as its {r.split(':')[0]}") for r in odd)
+    why = [ROLE_REASONS.get(r, f"a {r} weight is not LoRA") for r in odd]
+    why += [f"two keys read as its {role} ({key} is one)" for role, key in keys.doubled]
+    if why:
+        return "; ".join(why)
     if "alpha" in roles and math.prod(roles["alpha"]) != 1:
         return f"alpha {list(roles['alpha'])} is not one number"
     if module.rsplit(".", 1)[-1] in _VOCAB_MODULES:
         return f"LoRA on {module.rsplit('.', 1)[-1]} is not served"
-    if spec.locate(module) is None:
-        return "unmapped"
+    return None
+
+
+def _unpaired(roles: dict[str, tuple[int, ...]]) -> str | None:
     if "A" not in roles or "B" not in roles:
         return f"lora_{'B' if 'A' in roles else 'A'} is missing"
-    return misfit(spec, module, roles["A"], roles["B"])
+    return None
 
 
 def inspect_checkpoint(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
@@ -115,21 +110,18 @@ def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
     misfits = dict(info.misfits)
     config = ckpt.config
     skip = set(misfits) | set(info.unmapped)  # judged already, or another node's
-    for module, roles in ckpt.modules(spec.convert_keys).items():
-        a, b = roles.get("A"), roles.get("B")
+    for module, keys in ckpt.modules(spec.convert_keys).items():
+        a, b = keys.roles.get("A"), keys.roles.get("B")
         if a is None or b is None or module in skip:
             continue
         if a.dtype not in ("F32", "F16", "BF16") or b.dtype != a.dtype:
             misfits[module] = f"factors of dtype {a.dtype} / {b.dtype}; LoRA weights are floats of one dtype"
         elif config is not None and a.shape[0] != config.rank_of(module):
-            misfits[module] = (
-                f"rank {a.shape[0]}, but adapter_config.json gives it r={config.rank_of(module)}, "
-                "so its scaling is unknown"
-            )
-        loc = spec.locate(module)
-        if config is not None and config.layers_to_transform is not None and loc is not None \
-                and loc[1] not in config.layers_to_transform:
-            misfits[module] = f"layer {loc[1]} is outside layers_to_transform {list(config.layers_to_transform)}"
+            misfits[module] = (f"rank {a.shape[0]}, but {config.source} gives it r={config.rank_of(module)}, "
+                               "so its scaling is unknown")
+        layer = spec.locate(module).layer
+        if config is not None and config.layers_to_transform is not None and layer not in config.layers_to_transform:
+            misfits[module] = f"layer {layer} is outside layers_to_transform {list(config.layers_to_transform)}"
     return AdapterInfo(info.rank, info.unmapped, misfits, info.targets)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 from collections import Counter
 from collections.abc import Iterable
@@ -14,16 +15,15 @@ from pathlib import Path
 import torch
 
 from .adapter_config import AdapterConfig, parse_config, read_config
-from .keys import PEFT_PREFIX
+from .keys import PEFT_PREFIX, ConvertKeys, ModuleKeys, group_keys
 from .safetensors_header import FLOAT_DTYPES, Header, TensorEntry, read_header
-from .spec import ConvertKeys
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
 # Where diffusers' save_lora_weights puts the LoraConfig of each component, keys prefixed by it.
 DIFFUSERS_METADATA = "lora_adapter_metadata"
 
-Modules = dict[str, dict[str, TensorEntry]]
+Modules = dict[str, ModuleKeys]  # module -> its TensorEntry by role
 
 
 def where(name: str, path: str | os.PathLike[str]) -> str:
@@ -64,7 +64,12 @@ def locate_files(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
 
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
-    """An adapter whose header (and config, if it has one) have been read and checked, weights unread."""
+    """An adapter whose header and config have been read and checked, weights unread.
+
+    config is the one LoRA config that gives rank and alpha, whatever its source: adapter_config.json,
+    else the LoraConfig diffusers writes into the file's metadata, else None (a trainer's file, whose
+    alphas, if any, are tensors of their own).
+    """
 
     name: str
     weights: Path
@@ -74,73 +79,75 @@ class Checkpoint:
     def refusal(self, reasons: Iterable[str]) -> ValueError:
         return refusal(self.name, self.weights, reasons)
 
-    @cached_property
+    def mapping(self) -> mmap.mmap:
+        """The weights file mapped copy-on-write: writable for torch.frombuffer, never written back.
+
+        Never closed by hand: torch.frombuffer keeps a reference to the map but no buffer export, so
+        closing it would leave any view still alive (one held by a traceback, say) pointing at
+        unmapped memory. The mapping goes when its last reference does.
+        """
+        with open(self.weights, "rb") as f:
+            if os.fstat(f.fileno()).st_size != self.size:
+                raise self.refusal(["the file changed size since its header was read"])
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+    @property
     def size(self) -> int:
-        return self.weights.stat().st_size
+        """The file's size when its header was read."""
+        return self.header.file_size
 
     def modules(self, convert_keys: ConvertKeys) -> Modules:
-        """module -> role -> tensor, as convert_keys reads the keys (once per header and conversion)."""
+        """Each module's tensors by role, as convert_keys reads the keys (once per header and conversion)."""
         memo = self.header.memo
         if convert_keys not in memo:
-            memo[convert_keys] = _group(self.header.tensors, convert_keys)
+            memo[convert_keys] = group_keys(self.header.tensors, convert_keys)
         return memo[convert_keys]
 
     def scalings(self, convert_keys: ConvertKeys) -> dict[str, float]:
-        """Each module's alpha / r (or / sqrt(r) with rsLoRA), from its alpha tensor, else the config
-        (adapter_config.json, or the LoraConfig diffusers stores in the file's metadata), else 1:
-        a trainer that writes no alpha means alpha = rank."""
-        key = ("scalings", convert_keys)
-        if key not in self._cache:
-            self._cache[key] = self._scalings(convert_keys)
-        return self._cache[key]
+        """Each module's alpha / r (or / sqrt(r) with rsLoRA), from its alpha tensor, else the config,
+        else 1: a trainer that writes no alpha means alpha = rank."""
+        if convert_keys not in self._scalings:
+            self._scalings[convert_keys] = self._module_scalings(convert_keys)
+        return self._scalings[convert_keys]
 
     def scaling(self, convert_keys: ConvertKeys) -> float:
         """The adapter's own scaling: the config's, else the scaling most modules share (so folding
         the rest into B changes the fewest); 1 where that is 0, so module scalings still fold."""
-        if self.lora_config is not None:
-            return self.lora_config.scaling or 1.0
+        if self.config is not None:
+            return self.config.scaling or 1.0
         counts = Counter(self.scalings(convert_keys).values())
         return max(counts, key=lambda s: (counts[s], -s)) if counts else 1.0
 
-    def _scalings(self, convert_keys: ConvertKeys) -> dict[str, float]:
-        config = self.lora_config
+    def _module_scalings(self, convert_keys: ConvertKeys) -> dict[str, float]:
+        modules = self.modules(convert_keys)
+        alphas = self._alphas(modules)
         out = {}
-        with open(self.weights, "rb") as f:
-            for module, roles in self.modules(convert_keys).items():
-                a = roles.get("A")
-                r = a.shape[0] if a is not None and a.shape else 0
-                if "alpha" in roles:
-                    try:
-                        alpha = read_scalar(f, roles["alpha"])
-                    except ValueError as e:
-                        raise self.refusal([f"module {module}: {e}"]) from None
-                    out[module] = (alpha if alpha > 0 else r) / r if r else 1.0
-                elif config is not None:
-                    out[module] = config.module_scaling(module)
-                else:
-                    out[module] = 1.0
+        for module, keys in modules.items():
+            a = keys.roles.get("A")
+            r = a.shape[0] if a is not None and a.shape else 0
+            if module in alphas:
+                out[module] = (alphas[module] if alphas[module] > 0 else r) / r if r else 1.0
+            elif self.config is not None:
+                out[module] = self.config.module_scaling(module)
+            else:
+                out[module] = 1.0
         return out
 
-    @property
-    def lora_config(self) -> AdapterConfig | None:
-        """The config that gives rank and alpha: adapter_config.json, else the file's metadata's."""
-        return self.config or self.metadata_config
+    def _alphas(self, modules: Modules) -> dict[str, float]:
+        """Each alpha tensor's value, read alone (the file is opened only where there are any)."""
+        entries = {m: keys.roles["alpha"] for m, keys in modules.items() if "alpha" in keys.roles}
+        out: dict[str, float] = {}
+        if entries:
+            with open(self.weights, "rb") as f:
+                for module, e in entries.items():
+                    try:
+                        out[module] = read_scalar(f, e)
+                    except ValueError as err:
+                        raise self.refusal([f"module {module}: {err}"]) from None
+        return out
 
     @cached_property
-    def metadata_config(self) -> AdapterConfig | None:
-        """The transformer's LoraConfig, as diffusers' save_lora_weights writes it into the metadata."""
-        raw = self.header.metadata.get(DIFFUSERS_METADATA)
-        if raw is None:
-            return None
-        try:
-            packed = json.loads(raw)
-            fields = {k.removeprefix("transformer."): v for k, v in packed.items() if k.startswith("transformer.")}
-            return parse_config(fields) if fields else None
-        except (ValueError, AttributeError) as e:
-            raise self.refusal([f"{DIFFUSERS_METADATA} in its metadata is not a LoRA config ({e})"]) from None
-
-    @cached_property
-    def _cache(self) -> dict:
+    def _scalings(self) -> dict[ConvertKeys, dict[str, float]]:
         return {}
 
 
@@ -153,16 +160,6 @@ def read_scalar(f, e: TensorEntry) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"alpha {value} is not a finite, non-negative number")
     return value
-
-
-def _group(tensors: dict[str, TensorEntry], convert_keys: ConvertKeys) -> Modules:
-    out: Modules = {}
-    for key, (module, role) in convert_keys(list(tensors)).items():
-        roles = out.setdefault(module, {})
-        if role in roles:  # two keys read as the same weight: neither is trusted
-            role = f"{role}:{key}"
-        roles[role] = tensors[key]
-    return out
 
 
 def default_name(path: str | os.PathLike[str]) -> str:
@@ -188,7 +185,25 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
         config = read_config(config_path) if config_path else None
     except (ValueError, OSError) as e:
         raise refusal(name, config_path, [str(e)]) from None
+    if config is None:
+        try:
+            config = metadata_config(header)
+        except ValueError as e:
+            raise refusal(name, weights, [str(e)]) from None
     if config is None and any(k.startswith(PEFT_PREFIX) for k in header.tensors):
         why = f"a PEFT checkpoint with no {CONFIG} beside it, so its rank and alpha are unknown"
         raise refusal(name, weights, [why])
     return Checkpoint(name, weights, header, config)
+
+
+def metadata_config(header: Header) -> AdapterConfig | None:
+    """The transformer's LoraConfig, as diffusers' save_lora_weights writes it into the metadata."""
+    raw = header.metadata.get(DIFFUSERS_METADATA)
+    if raw is None:
+        return None
+    try:
+        packed = json.loads(raw)
+        fields = {k.removeprefix("transformer."): v for k, v in packed.items() if k.startswith("transformer.")}
+        return parse_config(fields, source=DIFFUSERS_METADATA) if fields else None
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{DIFFUSERS_METADATA} in its metadata is not a LoRA config ({e})") from None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import mmap
 import sys
 import threading
@@ -10,14 +9,7 @@ import weakref
 
 import torch
 
-# Offsets of the views carved from one buffer are multiples of this, so each starts aligned
-# for any dtype and vector load.
-ALIGN = 256
 HUGE_PAGE = 2 * 1024 * 1024
-
-
-def aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 class HostBuffers:
@@ -85,27 +77,3 @@ def _unpin(mm: mmap.mmap) -> None:
 def _unpin_all(maps: list[mmap.mmap]) -> None:
     for mm in maps:
         _unpin(mm)
-
-
-def carve(buf: torch.Tensor, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Views of buf, one per shape, at ALIGN-aligned offsets in order."""
-    out, at = [], 0
-    for shape in shapes:
-        nbytes = math.prod(shape) * dtype.itemsize
-        out.append(buf[at : at + nbytes].view(dtype).view(shape))
-        at += aligned(nbytes)
-    return out
-
-
-def buffer_bytes(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
-    return sum(aligned(math.prod(shape) * dtype.itemsize) for shape in shapes)
-
-
-def target_block(a_shape: tuple[int, ...], b_shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
-    """(b's offset, the block's length), in elements, of one target's a then b as carve lays them out.
-
-    The device pool lays each slot out the same way, so a target moves in one copy.
-    """
-    a_bytes = math.prod(a_shape) * dtype.itemsize
-    b_start = aligned(a_bytes) // dtype.itemsize
-    return b_start, b_start + math.prod(b_shape)

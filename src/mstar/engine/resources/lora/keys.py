@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 PEFT_PREFIX = "base_model.model."
 
@@ -36,6 +37,8 @@ SUFFIXES = (
 _BY_LENGTH = sorted(SUFFIXES, key=lambda s: -len(s[0]))
 
 SERVED_ROLES = ("A", "B", "alpha")
+# A key conversion: a checkpoint's whole key list read into (module, role) per key.
+ConvertKeys = Callable[[Sequence[str]], Mapping[str, tuple[str, str]]]
 ROLE_REASONS = {
     "lora_bias": "a LoRA bias (lora_bias, or a trainer's diff_b) is not served",
     "dora": "a DoRA magnitude (dora_scale / lora_magnitude_vector): DoRA is not served",
@@ -76,3 +79,24 @@ def trainer_key(key: str, kohya: Mapping[str, str]) -> tuple[str, str, bool]:
         flat, role = split_key(key.removeprefix("lora_unet_"))
         return (kohya[flat], role, True) if flat in kohya else ("lora_unet_" + flat, role, False)
     return (*split_key(key.removeprefix("transformer.")), False)
+
+
+class ModuleKeys(NamedTuple):
+    """One module's tensors (entries, or shapes) by role, and each further key read as a role it
+    already has: two weights for one place, of which neither is trusted."""
+
+    roles: dict[str, Any]
+    doubled: tuple[tuple[str, str], ...] = ()  # (role, key)
+
+
+def group_keys(values: Mapping[str, Any], convert_keys: ConvertKeys) -> dict[str, ModuleKeys]:
+    """values (by checkpoint key) grouped by module and role, as convert_keys reads the keys."""
+    roles: dict[str, dict[str, Any]] = {}
+    doubled: dict[str, list[tuple[str, str]]] = {}
+    for key, (module, role) in convert_keys(list(values)).items():
+        mine = roles.setdefault(module, {})
+        if role in mine:
+            doubled.setdefault(module, []).append((role, key))
+        else:
+            mine[role] = values[key]
+    return {m: ModuleKeys(r, tuple(doubled.get(m, ()))) for m, r in roles.items()}

@@ -1,151 +1,127 @@
-"""An adapter's weights copied from a memory map into this rank's slot layout.
+"""The slot layout: how one adapter's target lies in host memory and in a device slot, alike.
 
-With R = max_rank, module (layer l, slice s, rank r) fills a[t][l, s*R : s*R + r] with its A
-(this rank's input columns for a row target) and, in b[t][l], the rows of slice s that this
-rank holds, columns 0 : r, with its B. Everything else is zero.
+With R = max_rank, a target's block is a [layers, slices * R, in_shard] and then, at the next
+ALIGN-byte boundary, b [layers, out_shard, R]. Module (layer l, slice s, rank r) fills rows
+s*R : s*R + r of a[l] and, in b[l], the rows of slice s this rank holds, columns 0 : r; every
+other element is zero. The host tier's buffer holds an adapter's blocks back to back, and a device
+slab's row is one block, so a target moves in one copy.
 """
 
 from __future__ import annotations
 
-import mmap
-from typing import NamedTuple
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from .check import as_linear
-from .checkpoint import Checkpoint
-from .host_memory import HostBuffers, buffer_bytes, carve
-from .safetensors_header import TensorEntry
-from .spec import LoraSpec, LoraTarget
+from .spec import LoraSpec, LoraTarget, Shard
 
-Placed = tuple[int, "int | None", str, TensorEntry, TensorEntry]  # layer, slice, module, A, B
+# Blocks and b start at multiples of this, so every view is aligned for any dtype and vector load.
+ALIGN = 256
 
 
-def place(ckpt: Checkpoint, spec: LoraSpec) -> dict[str, list[Placed]]:
-    """The modules spec serves, by target; modules it does not map are other nodes'."""
-    placed: dict[str, list[Placed]] = {}
-    for module, roles in sorted(ckpt.modules(spec.convert_keys).items()):
-        loc = spec.locate(module)
-        if loc is not None:
-            target, layer, s = loc
-            placed.setdefault(target, []).append((layer, s, module, roles["A"], roles["B"]))
-    return placed
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
-def tensor_at(mm: mmap.mmap, e: TensorEntry) -> torch.Tensor:
-    """The tensor e describes, as a view of the mapped file (no bytes read until used)."""
-    n = 1
-    for d in e.shape:
-        n *= d
-    return torch.frombuffer(mm, dtype=e.torch_dtype, count=n, offset=e.start).view(as_linear(e.shape))
+@dataclass(frozen=True)
+class TargetLayout:
+    """One target's block on one rank: shapes, where b starts, and where each slice lies."""
+
+    target: LoraTarget
+    max_rank: int
+    shard: Shard
+    dtype: torch.dtype
+
+    @property
+    def a_shape(self) -> tuple[int, int, int]:
+        c0, c1 = self.shard.columns
+        return (self.target.layers, self.target.slices * self.max_rank, c1 - c0)
+
+    @property
+    def b_shape(self) -> tuple[int, int, int]:
+        return (self.target.layers, sum(self.shard.widths()), self.max_rank)
+
+    @cached_property
+    def b_offset(self) -> int:
+        """Where b starts in the block, in elements."""
+        return aligned(math.prod(self.a_shape) * self.dtype.itemsize) // self.dtype.itemsize
+
+    @cached_property
+    def numel(self) -> int:
+        """The block's length in elements: a, the alignment gap, b."""
+        return self.b_offset + math.prod(self.b_shape)
+
+    @property
+    def nbytes(self) -> int:
+        """What the block takes in a buffer or a slab row, alignment included."""
+        return aligned(self.numel * self.dtype.itemsize)
+
+    @property
+    def weight_bytes(self) -> int:
+        """a's and b's bytes alone."""
+        return (math.prod(self.a_shape) + math.prod(self.b_shape)) * self.dtype.itemsize
+
+    def a_rows(self, s: int) -> slice:
+        """Slice s's rows of a[layer]."""
+        return slice(s * self.max_rank, (s + 1) * self.max_rank)
+
+    @cached_property
+    def _b_starts(self) -> tuple[int, ...]:
+        widths = self.shard.widths()
+        return tuple(sum(widths[:s]) for s in range(len(widths)))
+
+    def b_rows(self, s: int) -> slice:
+        """Slice s's rows of b[layer]: this rank's rows of each slice, packed in slice order."""
+        start = self._b_starts[s]
+        return slice(start, start + self.shard.widths()[s])
+
+    def split(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views a and b of a block whose last dimension is numel (a slab's leading slot dim is kept)."""
+        a = block[..., : math.prod(self.a_shape)].unflatten(-1, self.a_shape)
+        b = block[..., self.b_offset : self.numel].unflatten(-1, self.b_shape)
+        return a, b
 
 
-def read_layout(
-    ckpt: Checkpoint, spec: LoraSpec, mm: mmap.mmap, rank: int, world_size: int, dtype: torch.dtype,
-    buffers: HostBuffers,
-) -> tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(largest rank served, a, b) for this rank, in one host buffer of exactly the layout's size.
+@dataclass(frozen=True, eq=False)
+class SlotLayout:
+    """Every target's layout of one node on one rank: what the host tier, the device pool and the op share."""
 
-    A fresh buffer comes zeroed from the kernel, so padding and untouched layers cost nothing; a
-    reused one is zeroed only where the pieces do not cover every byte.
-    """
-    placed = place(ckpt, spec)
-    R = spec.max_rank
-    shapes = []
-    for name in placed:
-        t = spec.targets[name]
-        shapes += [t.a_shape(R, world_size), t.b_shape(R, world_size)]
-    buf, fresh = buffers.take(buffer_bytes(shapes, dtype))
-    views = carve(buf, shapes, dtype)
-    a = dict(zip(placed, views[0::2], strict=True))
-    b = dict(zip(placed, views[1::2], strict=True))
-    top, scaling = 0, ckpt.scaling(spec.convert_keys)
-    scalings = ckpt.scalings(spec.convert_keys)
-    for name, modules in placed.items():
-        t = spec.targets[name]
-        shard = Shard.of(t, rank, world_size)
-        pieces = [
-            piece
-            for layer, s, module, ea, eb in modules
-            for piece in shard_pieces(t, shard, layer, s, tensor_at(mm, ea), tensor_at(mm, eb),
-                                      scalings[module] / scaling)
-        ]
-        top = max([top] + [p.r for p in pieces])
-        write_pieces(t, a[name], b[name], pieces, R, t.out_shards(world_size), fresh)
-    return top, a, b
+    spec: LoraSpec
+    rank: int = 0
+    world_size: int = 1
+    dtype: torch.dtype = torch.bfloat16
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not one of world_size {self.world_size}")
+        self.spec.check_world(self.world_size)
 
-def _slices(t: LoraTarget, s: int | None) -> range:
-    return range(t.slices) if s is None else range(s, s + 1)
+    @cached_property
+    def targets(self) -> dict[str, TargetLayout]:
+        R = self.spec.max_rank
+        return {name: TargetLayout(t, R, t.shard(self.rank, self.world_size), self.dtype)
+                for name, t in self.spec.targets.items()}
 
+    def nbytes(self, names: Iterable[str]) -> int:
+        """The bytes of a buffer holding these targets' blocks back to back."""
+        return sum(self.targets[n].nbytes for n in names)
 
-class Piece(NamedTuple):
-    """One module's factors for one slice of one layer, already cut to this rank's shard."""
+    def carve(self, buf: torch.Tensor, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Each named target's block, a typed flat view of the uint8 buf, back to back in the order given."""
+        blocks, at = {}, 0
+        for n in names:
+            t = self.targets[n]
+            blocks[n] = buf[at : at + t.numel * self.dtype.itemsize].view(self.dtype)
+            at += t.nbytes
+        return blocks
 
-    layer: int
-    slice: int
-    r: int
-    a: torch.Tensor  # [r, in_shard]
-    b: torch.Tensor  # [this rank's rows of the slice, r]
-    ratio: float
-
-
-class Shard(NamedTuple):
-    """This rank's part of a target: A's input columns, and per slice the rows of B it keeps and
-    where that slice starts in a module covering every slice."""
-
-    columns: tuple[int, int]
-    rows: tuple[tuple[int, int], ...]
-    starts: tuple[int, ...]
-
-    @staticmethod
-    def of(t: LoraTarget, rank: int, world_size: int) -> Shard:
-        starts = tuple(sum(t.out_features[:s]) for s in range(t.slices))
-        rows = tuple(t.b_rows(s, rank, world_size) for s in range(t.slices))
-        return Shard(t.a_columns(rank, world_size), rows, starts)
-
-
-def shard_pieces(
-    t: LoraTarget, shard: Shard, layer: int, s: int | None, A: torch.Tensor, B: torch.Tensor, ratio: float
-) -> list[Piece]:
-    """The sharding rule, for one module: a row target splits A's input columns and keeps B whole;
-    a column target keeps A whole and gives each slice's B rows to ranks by heads (or rows); a
-    module covering every slice (s None) gives each slice its A and its rows of B."""
-    c0, c1 = shard.columns
-    a = A if (c0, c1) == (0, A.shape[1]) else A[:, c0:c1]
-    pieces = []
-    for sl in _slices(t, s):
-        r0, r1 = shard.rows[sl]
-        src0 = 0 if s is not None else shard.starts[sl]
-        b = B if (src0 + r0, src0 + r1) == (0, B.shape[0]) else B[src0 + r0 : src0 + r1]
-        pieces.append(Piece(layer, sl, A.shape[0], a, b, ratio))
-    return pieces
-
-
-def write_pieces(
-    t: LoraTarget, a: torch.Tensor, b: torch.Tensor, pieces: list[Piece], R: int, out_shards: tuple[int, ...],
-    zeroed: bool,
-) -> None:
-    """Pieces into a [layers, slices*R, in_shard] and b [layers, out_shard, R].
-
-    Piece (l, s, r) fills a[l, s*R : s*R + r] and, in b[l], slice s's rows, columns 0 : r. When the
-    pieces cover every layer and slice at full rank with no scaling to fold, the layout is their
-    concatenation in (layer, slice) order: one copy per factor instead of one per module.
-    """
-    S = t.slices
-    dense = (len(pieces) == t.layers * S and all(p.r == R and p.ratio == 1.0 for p in pieces)
-             and len({(p.layer, p.slice) for p in pieces}) == len(pieces))
-    if dense:
-        pieces = sorted(pieces, key=lambda p: (p.layer, p.slice))
-        torch.cat([p.a for p in pieces], 0, out=a.view(-1, a.shape[-1]))
-        torch.cat([p.b for p in pieces], 0, out=b.view(-1, R))
-        return
-    if not zeroed:
-        a.zero_()
-        b.zero_()
-    starts = [sum(out_shards[:sl]) for sl in range(S)]
-    for p in pieces:
-        a[p.layer, p.slice * R : p.slice * R + p.r].copy_(p.a)
-        rows = slice(starts[p.slice], starts[p.slice] + p.b.shape[0])
-        # the module's own scaling, folded in float32 before the cast
-        b[p.layer, rows, : p.r].copy_(p.b if p.ratio == 1.0 else p.b.float() * p.ratio)
+    def offsets(self, names: Iterable[str]) -> dict[str, int]:
+        """Where each named target's block starts in such a buffer, in bytes."""
+        out, at = {}, 0
+        for n in names:
+            out[n] = at
+            at += self.targets[n].nbytes
+        return out

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Iterable
 
 import torch
 
-from .host_memory import aligned, target_block
+from .layout import SlotLayout
 from .spec import LoraSpec
 from .store import LoadedAdapter
 
@@ -16,9 +15,9 @@ from .store import LoadedAdapter
 class LoraDevicePool:
     """Slots for adapters on one device, laid out like the host tier's copies.
 
-    Per target, slot k holds a [layers, slices * max_rank, in_shard] and then b [layers, out_shard,
-    max_rank], at the offsets the host tier uses, so a held adapter's target moves in one copy.
-    Slots are reused least recently activated first, never one the running batch needs.
+    Per target, one slab [slots, block] whose row is the target's block as layout.py lays it out for
+    the host tier too, so a held adapter's target moves in one copy. Slots are reused least recently
+    activated first, never one the running batch needs.
     """
 
     def __init__(
@@ -32,25 +31,19 @@ class LoraDevicePool:
     ) -> None:
         if slots < 1:
             raise ValueError(f"a pool needs at least one slot, not {slots}")
-        spec.check_world(world_size)
-        self.spec, self.rank, self.world_size = spec, rank, world_size
-        self.dtype = dtype or spec.dtype
+        self.layout = SlotLayout(spec, rank, world_size, dtype or spec.dtype)
+        self.spec, self.rank, self.world_size, self.dtype = spec, rank, world_size, self.layout.dtype
         self.device = torch.device(device)
-        R = spec.max_rank
         self.slabs: dict[str, torch.Tensor] = {}
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
-        for name, t in spec.targets.items():
-            a_shape, b_shape = t.a_shape(R, world_size), t.b_shape(R, world_size)
-            b_start, end = target_block(a_shape, b_shape, self.dtype)
-            row = aligned(end * self.dtype.itemsize) // self.dtype.itemsize
-            slab = torch.zeros(slots, row, dtype=self.dtype, device=self.device)
+        for name, t in self.layout.targets.items():
+            slab = torch.zeros(slots, t.nbytes // self.dtype.itemsize, dtype=self.dtype, device=self.device)
             self.slabs[name] = slab
-            self.a[name] = slab[:, : math.prod(a_shape)].view(slots, *a_shape)
-            self.b[name] = slab[:, b_start:end].view(slots, *b_shape)
+            self.a[name], self.b[name] = t.split(slab[:, : t.numel])
         self.scaling = torch.zeros(slots, dtype=torch.float32, device=self.device)
         self._names: list[str | None] = [None] * slots
-        self._digests: list[bytes] = [b""] * slots
+        self._versions: list[object] = [None] * slots
         self._recent: OrderedDict[int, None] = OrderedDict((k, None) for k in range(slots))
         self._in_flight: list[tuple[torch.cuda.Event, LoadedAdapter]] = []
         self.copies = 0
@@ -77,7 +70,7 @@ class LoraDevicePool:
         lacks) unless it is already there. keep names the adapters the running batch uses, whose
         slots are never taken."""
         slot = self.slot_of(adapter.name)
-        if slot is not None and self._digests[slot] == adapter.digest:
+        if slot is not None and self._versions[slot] == adapter.version:
             self._recent.move_to_end(slot)
             return slot
         if slot is None:
@@ -85,18 +78,21 @@ class LoraDevicePool:
         self._check(adapter)
         asynchronous = False
         for name, slab in self.slabs.items():
-            if name in adapter.a:
-                src = host_block(adapter, name)
-                asynchronous |= self.device.type == "cuda" and src.is_pinned()
-                slab[slot, : src.numel()].copy_(src, non_blocking=src.is_pinned())
-                self.copies += 1
-                self.bytes_moved += src.numel() * src.element_size()
-            else:  # no weights of the last adapter may leak into this one
+            if name not in adapter.a:  # no weights of the last adapter may leak into this one
                 slab[slot].zero_()
                 self.fills += 1
+                continue
+            block = adapter.blocks.get(name)
+            pairs = [(slab[slot, : block.numel()], block)] if block is not None else \
+                [(self.a[name][slot], adapter.a[name]), (self.b[name][slot], adapter.b[name])]
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=src.is_pinned())
+                asynchronous |= self.device.type == "cuda" and src.is_pinned()
+                self.copies += 1
+                self.bytes_moved += src.numel() * src.element_size()
         self._hold_until_copied(adapter if asynchronous else None)
         self.scaling[slot] = adapter.scaling
-        self._names[slot], self._digests[slot] = adapter.name, adapter.digest
+        self._names[slot], self._versions[slot] = adapter.name, adapter.version
         self._recent.move_to_end(slot)
         return slot
 
@@ -113,7 +109,7 @@ class LoraDevicePool:
         """Free name's slot (its weights stay until the slot is reused, and are then overwritten)."""
         slot = self.slot_of(name)
         if slot is not None:
-            self._names[slot], self._digests[slot] = None, b""
+            self._names[slot], self._versions[slot] = None, None
             self._recent.move_to_end(slot, last=False)
 
     def _free_slot(self, keep: set[str]) -> int:
@@ -134,13 +130,3 @@ class LoraDevicePool:
                     " (another max_rank, rank or world size?)"
                 )
 
-
-def host_block(adapter: LoadedAdapter, target: str) -> torch.Tensor:
-    """target's a and b as one flat view of the host buffer (they lie there back to back, as in a slot)."""
-    a, b = adapter.a[target], adapter.b[target]
-    b_start, end = target_block(tuple(a.shape), tuple(b.shape), a.dtype)
-    if b.untyped_storage().data_ptr() != a.untyped_storage().data_ptr() or (
-        b.storage_offset() != a.storage_offset() + b_start
-    ):
-        raise ValueError(f"adapter {adapter.name!r}: target {target}'s a and b are not laid out as one block")
-    return torch.empty(0, dtype=a.dtype).set_(a.untyped_storage(), a.storage_offset(), (end,))

@@ -56,6 +56,7 @@ class Header:
     tensors: dict[str, TensorEntry]
     metadata: dict[str, str]
     data_start: int
+    file_size: int
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -88,7 +89,7 @@ def parse_header(prefix: bytes, file_size: int) -> Header:
         raise ValueError("__metadata__ is not a string-to-string map")
     tensors = {name: _entry(name, value, data_start) for name, value in raw.items()}
     _check_packing(tensors, data_start, file_size - data_start)
-    return Header(tensors, metadata, data_start)
+    return Header(tensors, metadata, data_start, file_size)
 
 
 def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:

@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
+from .keys import ConvertKeys, peft_keys
+
 Parallel = Literal["column", "row", "replicated"]
+
+
+def as_linear(shape: Sequence[int]) -> tuple[int, ...]:
+    """A LoRA factor's shape as a linear's: a conv adapter's A [r, c, *kernel] and B [out, r, 1, ...]
+    flatten to [r, c * prod(kernel)] and [out, r], which is the delta on a conv whose kernel is its
+    stride, over the flattened patch."""
+    shape = tuple(shape)
+    if len(shape) <= 2:
+        return shape
+    return (shape[0], math.prod(shape[1:]))
 
 
 def shard_units(units: int, unit: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -63,6 +75,19 @@ class LoraTarget:
         """A conv target's input channels; a linear's input width."""
         return self.in_features // math.prod(self.kernel or (1,))
 
+    @cached_property
+    def slice_starts(self) -> tuple[int, ...]:
+        """Where each slice's rows begin in a module covering every slice (a fused qkv_proj's B)."""
+        return tuple(sum(self.out_features[:s]) for s in range(self.slices))
+
+    def covered(self, s: int | None) -> range:
+        """The slices a module on slice s fills: all of them for s None (a module fused in the base model)."""
+        return range(self.slices) if s is None else range(s, s + 1)
+
+    # The sharding rule. A row target splits A's input columns in equal chunks and keeps B whole; a
+    # column target keeps A whole and gives each slice's B rows out by heads (or rows) through
+    # shard_units; a replicated target shards nothing.
+
     def a_columns(self, rank: int, world_size: int) -> tuple[int, int]:
         """The input columns of A this rank holds: a row-parallel target splits its input."""
         if self.parallel != "row":
@@ -85,26 +110,34 @@ class LoraTarget:
         except ValueError as e:
             raise ValueError(f"slice {s} ({'heads' if self.heads and self.heads[s] else 'rows'}): {e}") from None
 
-    def in_shard(self, world_size: int) -> int:
-        start, stop = self.a_columns(0, world_size)
-        return stop - start
-
-    def out_shards(self, world_size: int) -> tuple[int, ...]:
-        """Each slice's rows on one rank (equal on every rank)."""
-        return tuple(b - a for a, b in (self.b_rows(s, 0, world_size) for s in range(self.slices)))
-
-    def a_shape(self, max_rank: int, world_size: int = 1) -> tuple[int, int, int]:
-        return (self.layers, self.slices * max_rank, self.in_shard(world_size))
-
-    def b_shape(self, max_rank: int, world_size: int = 1) -> tuple[int, int, int]:
-        return (self.layers, sum(self.out_shards(world_size)), max_rank)
+    def shard(self, rank: int, world_size: int) -> Shard:
+        """This rank's part of the target, by the rule above."""
+        rows = tuple(self.b_rows(s, rank, world_size) for s in range(self.slices))
+        return Shard(self.a_columns(rank, world_size), rows)
 
     def check(self, world_size: int) -> None:
         """Raise ValueError when this target cannot shard over world_size ranks."""
         for rank in range(world_size):
-            self.a_columns(rank, world_size)
-            for s in range(self.slices):
-                self.b_rows(s, rank, world_size)
+            self.shard(rank, world_size)
+
+
+class Shard(NamedTuple):
+    """One rank's part of a target: A's input columns, and per slice the rows of that slice's B."""
+
+    columns: tuple[int, int]
+    rows: tuple[tuple[int, int], ...]
+
+    def widths(self) -> tuple[int, ...]:
+        """Each slice's rows on this rank (equal on every rank)."""
+        return tuple(stop - start for start, stop in self.rows)
+
+
+class Location(NamedTuple):
+    """Where a checkpoint module lands: its target, layer and slice (None where it covers every slice)."""
+
+    target: str
+    layer: int
+    slice: int | None
 
 
 @dataclass(frozen=True)
@@ -115,18 +148,6 @@ class AdapterInfo:
     unmapped: tuple[str, ...] = ()
     misfits: Mapping[str, str] = field(default_factory=dict)
     targets: frozenset[str] = frozenset()
-
-
-Location = tuple[str, int, "int | None"]
-
-
-ConvertKeys = Callable[[Sequence[str]], Mapping[str, tuple[str, str]]]
-
-
-def default_convert_keys() -> ConvertKeys:
-    from .keys import peft_keys
-
-    return peft_keys
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,7 +167,7 @@ class LoraSpec:
     capacity: int = 8
     dtype: torch.dtype = torch.bfloat16
     adapters: Mapping[str, str] = field(default_factory=dict)
-    convert_keys: ConvertKeys = field(default_factory=default_convert_keys)
+    convert_keys: ConvertKeys = field(default_factory=lambda: peft_keys)
     name: str = "language_model"
 
     def __post_init__(self) -> None:
@@ -176,7 +197,7 @@ class LoraSpec:
         for regex, target, s in self._compiled:
             m = regex.fullmatch(module)
             if m:
-                found = target, int(m.group("layer")) if "layer" in regex.groupindex else 0, s
+                found = Location(target, int(m.group("layer")) if "layer" in regex.groupindex else 0, s)
                 break
         if len(self._located) < 1 << 20:  # adapters of one model share their module names
             self._located[module] = found

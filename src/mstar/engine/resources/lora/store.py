@@ -6,12 +6,13 @@ max_rank with zeros), so moving it onto the device is one copy per target.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,9 +27,10 @@ from .check import (
     refuse_misfits,
 )
 from .checkpoint import open_checkpoint
-from .digest import adapter_digest, mapped
+from .digest import adapter_digest
 from .host_memory import HostBuffers
-from .layout import read_layout
+from .layout import SlotLayout
+from .reader import read_layout
 from .spec import LoraSpec
 
 _HASHER = ThreadPoolExecutor(1, thread_name_prefix="mstar-lora-digest")
@@ -55,15 +57,26 @@ class LoadedAdapter:
     digest is adapter_digest of the unsharded weights, so every rank agrees on it, computed as
     the API server computes the one it roots the adapter's prefix-cache keys in. It is verified
     against the file's bytes when read was given it; read without one (which then reads only
-    this rank's shard) leaves it empty, and such an adapter has no prefix-cache root.
+    this rank's shard) leaves it None, and such an adapter has no prefix-cache root.
+
+    blocks[target] is the flat block a[target] and b[target] are views of, as a device slot lays it
+    out, where the store read it so (one copy per target); an adapter built by hand may have none.
     """
 
     name: str
-    digest: bytes
+    digest: bytes | None
     rank: int
     scaling: float
     a: dict[str, torch.Tensor]
     b: dict[str, torch.Tensor]
+    blocks: Mapping[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    serial: int = field(default_factory=itertools.count().__next__, init=False, repr=False)
+
+    @property
+    def version(self) -> bytes | tuple[str, int]:
+        """What these weights are: the digest where there is one, else this read alone. A device slot
+        holding another version of the name must be copied again."""
+        return self.digest if self.digest is not None else ("read", self.serial)
 
     @property
     def nbytes(self) -> int:
@@ -88,16 +101,11 @@ class LoraAdapterStore:
         pin: bool | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not one of world_size {world_size}")
-        spec.check_world(world_size)
-        self.spec = spec
-        self.rank = rank
-        self.world_size = world_size
         if pin and not torch.cuda.is_available():
             raise ValueError("pin=True page-locks host memory for CUDA, and CUDA is not available")
+        self.layout = SlotLayout(spec, rank, world_size, dtype or spec.dtype)
+        self.spec, self.rank, self.world_size, self.dtype = spec, rank, world_size, self.layout.dtype
         self.pin = torch.cuda.is_available() if pin is None else pin
-        self.dtype = dtype or spec.dtype
         self._held: OrderedDict[str, LoadedAdapter | None] = OrderedDict()
         self._reading: dict[str, Future[LoadedAdapter]] = {}
         self._buffers = HostBuffers(self.pin)
@@ -174,17 +182,19 @@ class LoraAdapterStore:
         ckpt = open_checkpoint(path, name)
         refuse_misfits(self.spec, ckpt)
         conv = self.spec.convert_keys
-        with mapped(ckpt) as mm:
-            # The hash (which releases the GIL) runs beside the copy; nothing is returned unless it matches.
-            hashing = _HASHER.submit(adapter_digest, ckpt, conv, mm) if digest is not None else None
-            try:
-                top, a, b = read_layout(ckpt, self.spec, mm, self.rank, self.world_size, self.dtype, self._buffers)
-            finally:
-                found = hashing.result() if hashing else None
+        # The hash (which releases the GIL) runs beside the copy; nothing is returned unless it matches.
+        hashing = _HASHER.submit(adapter_digest, ckpt, conv) if digest is not None else None
+        try:
+            top, blocks = read_layout(ckpt, self.layout, self._buffers)
+        finally:
+            found = hashing.result() if hashing else None
         if found != digest:
             raise ckpt.refusal([f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was "
                                 "checked with: the file changed since"])
-        return LoadedAdapter(name, digest or b"", top, ckpt.scaling(conv), a, b)
+        views = {t: self.layout.targets[t].split(block) for t, block in blocks.items()}
+        a = {t: ab[0] for t, ab in views.items()}
+        b = {t: ab[1] for t, ab in views.items()}
+        return LoadedAdapter(name, digest, top, ckpt.scaling(conv), a, b, blocks)
 
     def load(self, name: str, path: str | os.PathLike[str], digest: bytes | None = None) -> LoadedAdapter:
         """Hold name and read it from path unless its copy is in.

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import CONFIG, WEIGHTS
-from .keys import PEFT_PREFIX
-from .spec import LoraSpec
+from ..checkpoint import CONFIG, WEIGHTS
+from ..keys import PEFT_PREFIX
+from ..spec import LoraSpec
 
 # Each decoder target's modules as transformers names them, with the slice each fills.
 DECODER_MODULES = {

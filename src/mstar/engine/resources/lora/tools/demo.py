@@ -12,14 +12,14 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from .checkpoint import open_checkpoint
-from .cli import table
+from ..checkpoint import open_checkpoint
+from ..keys import PEFT_PREFIX
+from ..models import load_config, specs_from_config
+from ..pool import LoraDevicePool
+from ..store import LoraAdapterStore, check_adapter_file
 from .hf import TokenSlots, attach
-from .keys import PEFT_PREFIX
-from .models import load_config, specs_from_config
-from .pool import LoraDevicePool
 from .samples import sample_modules, write_peft_adapter
-from .store import LoraAdapterStore, check_adapter_file
+from .table import table
 
 MAX_RANK = 16
 

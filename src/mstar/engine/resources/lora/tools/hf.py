@@ -13,10 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .apply import add_lora
-from .layout import Shard
-from .pool import LoraDevicePool
-from .spec import LoraTarget
+from ..apply import add_lora
+from ..pool import LoraDevicePool
+from ..spec import LoraTarget
 
 
 class TokenSlots:
@@ -72,11 +71,11 @@ def shard_base(base: nn.Module, t: LoraTarget, slice_: int | None, rank: int, wo
     summed), a replicated one everything."""
     w = base.weight.data
     bias = base.bias.data if getattr(base, "bias", None) is not None else None
-    shard = Shard.of(t, rank, world_size)
+    shard = t.shard(rank, world_size)
     if t.parallel == "column":  # a module covering every slice holds them back to back, as its B does
-        slices = range(t.slices) if slice_ is None else (slice_,)
-        offset = shard.starts if slice_ is None else (0,) * t.slices
-        keep = torch.cat([torch.arange(offset[s] + shard.rows[s][0], offset[s] + shard.rows[s][1]) for s in slices])
+        start = t.slice_starts if slice_ is None else (0,) * t.slices
+        keep = torch.cat([torch.arange(start[s] + shard.rows[s][0], start[s] + shard.rows[s][1])
+                          for s in t.covered(slice_)])
         base.weight = nn.Parameter(w[keep].clone(), requires_grad=False)
         if bias is not None:
             base.bias = nn.Parameter(bias[keep].clone(), requires_grad=False)

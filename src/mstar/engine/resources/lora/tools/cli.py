@@ -10,11 +10,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .check import adapter_problems, inspect_checkpoint, module_reasons
-from .checkpoint import Checkpoint, default_name, open_checkpoint
-from .models import presets, specs_from_config
-from .spec import LoraSpec
-from .store import check_adapter_file
+from ..check import adapter_problems, inspect_checkpoint, module_reasons
+from ..checkpoint import Checkpoint, default_name, open_checkpoint
+from ..models import presets, specs_from_config
+from ..spec import LoraSpec
+from ..store import check_adapter_file
+from .table import size, table
 
 
 def _adapters(args: Sequence[str]) -> dict[str, str]:
@@ -28,19 +29,21 @@ def _adapters(args: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return ""
-
-
-def table(rows: list[dict], columns: Sequence[str]) -> str:
-    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
-    lines += ["  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(columns, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
+def serving_config(path: str) -> dict[str, str]:
+    """The adapters a serving config names: a JSON object of name -> path, or one whose "adapters" is."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"serving config {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"serving config {path}: not valid JSON ({e})") from None
+    adapters = raw.get("adapters", raw) if isinstance(raw, dict) else raw
+    if not isinstance(adapters, dict) or not all(isinstance(v, str) for v in adapters.values()):
+        what = "an object with values that are not paths" if isinstance(adapters, dict) else \
+            f"a JSON {type(adapters).__name__}"
+        raise ValueError(f'serving config {path}: needs an object of adapter name -> path (or one under '
+                         f'"adapters"), not {what}')
+    return adapters
 
 
 def _row(specs: dict[str, LoraSpec], name: str, path: str) -> tuple[dict, list[str], Checkpoint | None]:
@@ -51,13 +54,13 @@ def _row(specs: dict[str, LoraSpec], name: str, path: str) -> tuple[dict, list[s
         ckpt = open_checkpoint(path, name)
     except ValueError as e:
         return row, [str(e)], None
-    row["size"] = _size(ckpt.size)
+    row["size"] = size(ckpt.size)
     nodes = list(specs.values())
     infos = [inspect_checkpoint(spec, ckpt) for spec in nodes]
     row["rank"] = max(i.rank for i in infos)
     row["scaling"] = f"{ckpt.scaling(nodes[0].convert_keys):g}"
     problems = adapter_problems(nodes, ckpt)
-    touched = [{spec.locate(m)[0] for m in problems if spec.locate(m)} | i.targets
+    touched = [{spec.locate(m).target for m in problems if spec.locate(m)} | i.targets
                for spec, i in zip(nodes, infos, strict=True)]
     row["targets"] = ",".join(t for ts in touched for t in sorted(ts))
     return row, module_reasons(problems) if problems else [], ckpt
@@ -68,15 +71,15 @@ def module_rows(specs: dict[str, LoraSpec], ckpt: Checkpoint) -> list[dict]:
     rows = []
     for node, spec in specs.items():
         scalings = ckpt.scalings(spec.convert_keys)
-        for module, roles in sorted(ckpt.modules(spec.convert_keys).items()):
+        for module, keys in sorted(ckpt.modules(spec.convert_keys).items()):
             loc = spec.locate(module)
             if loc is None and len(specs) > 1:
                 continue
-            a = roles.get("A")
-            rows.append({"module": module, "node": node, "target": loc[0] if loc else "-",
-                         "layer": loc[1] if loc else "-", "slice": "all" if loc and loc[2] is None else
-                         (loc[2] if loc else "-"), "rank": a.shape[0] if a is not None and a.shape else "-",
-                         "scaling": f"{scalings[module]:g}"})
+            a = keys.roles.get("A")
+            where = {"target": "-", "layer": "-", "slice": "-"} if loc is None else \
+                {"target": loc.target, "layer": loc.layer, "slice": "all" if loc.slice is None else loc.slice}
+            rows.append({"module": module, "node": node, **where, "scaling": f"{scalings[module]:g}",
+                         "rank": a.shape[0] if a is not None and a.shape else "-"})
     return rows
 
 
@@ -106,8 +109,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     specs = specs_from_config(args.model, max_rank=args.max_rank)
     adapters = _adapters(args.adapters)
     if args.serving:
-        raw = json.loads(Path(args.serving).read_text())
-        adapters.update(raw.get("adapters", raw))
+        adapters.update(serving_config(args.serving))
     if not adapters:
         print("mstar-lora check: no adapters named (ADAPTER arguments or --serving FILE)", file=sys.stderr)
         return 2
