@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import llama8b_spec, side_by_side, status_kb, write_adapters
 
 from mstar.engine.resources.lora import safetensors_header
-from mstar.engine.resources.lora.tools.samples import sample_modules, write_peft_adapter
 from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_file, inspect_adapter
+from mstar.engine.resources.lora.tools.samples import sample_modules, write_peft_adapter
 
 
 def raw_hash(file: Path) -> bytes:

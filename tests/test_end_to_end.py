@@ -8,10 +8,10 @@ import torch
 from reference import VISION_MODULES
 from tiny import LM_TARGETS, build_model, make_adapter, model_config
 
-from mstar.engine.resources.lora.tools.hf import LoraLayer, TokenSlots, attach
 from mstar.engine.resources.lora.models import specs_from_config
 from mstar.engine.resources.lora.pool import LoraDevicePool
 from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_file
+from mstar.engine.resources.lora.tools.hf import LoraLayer, TokenSlots, attach
 
 ROWS = ["x", None, "y", "z", "x"]
 

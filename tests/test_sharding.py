@@ -7,8 +7,8 @@ import torch
 from reference import VISION_MODULES, lora_modules, module_input, slot_delta
 from tiny import LM_TARGETS, make_adapter, model_config
 
-from mstar.engine.resources.lora.models import specs_from_config
 from mstar.engine.resources.lora.layout import TargetLayout
+from mstar.engine.resources.lora.models import specs_from_config
 from mstar.engine.resources.lora.spec import LoraTarget, shard_units
 from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_file
 

@@ -7,10 +7,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tiny import build_model, make_adapter, model_config
 
-from mstar.engine.resources.lora.tools.hf import TokenSlots, attach
 from mstar.engine.resources.lora.models import specs_from_config
 from mstar.engine.resources.lora.pool import LoraDevicePool
 from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_file
+from mstar.engine.resources.lora.tools.hf import TokenSlots, attach
 
 CONFIG = model_config("llama", num_attention_heads=4, num_key_value_heads=2)
 ROWS = ["x", None, "y", "x"]
