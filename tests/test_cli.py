@@ -32,6 +32,15 @@ def test_check_json_gives_digests(tmp_path, capsys):
     assert rows[0]["adapter"] == "g" and len(rows[0]["digest"]) == 16 and rows[0]["verdict"] == "ok"
 
 
+def test_a_serving_config_that_cannot_be_read_is_refused_by_name(tmp_path, capsys):
+    listed = tmp_path / "list.json"
+    listed.write_text(json.dumps(["a", "b"]))
+    for path, why in ((tmp_path / "missing.json", "No such file or directory"), (listed, "not a JSON list")):
+        assert main(["check", "tiny-llama", "--serving", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert f"mstar-lora: serving config {path}: " in err and why in err and "Traceback" not in err
+
+
 def test_check_on_a_preset(tmp_path, capsys):
     assert main(["check", "tiny-llama"]) == 2, "no adapters named"
     assert "no adapters named" in capsys.readouterr().err

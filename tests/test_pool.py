@@ -8,7 +8,7 @@ from tiny import make_adapter, model_config
 
 from mstar.engine.resources.lora.models import specs_from_config
 from mstar.engine.resources.lora.pool import LoraDevicePool
-from mstar.engine.resources.lora.store import LoraAdapterStore
+from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_file
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +71,19 @@ def test_an_adapter_laid_out_for_another_pool_is_refused(adapters, tmp_path):
     other = specs_from_config(model_config("llama"), max_rank=16)["language_model"]
     with pytest.raises(ValueError, match=r"adapter .all.: target .* \(another max_rank"):
         LoraDevicePool(other, slots=1).activate(ads["all"])
+
+
+def test_an_adapter_read_again_is_copied_again_unless_its_digest_says_it_is_the_same(tmp_path):
+    spec = specs_from_config(model_config("llama"), max_rank=8)["language_model"]
+    store = LoraAdapterStore(spec, pin=False)
+    pool = LoraDevicePool(spec, slots=2)
+    _, path = make_adapter(tmp_path, name="ad", seed=1)
+    digest = check_adapter_file(spec, "ad", path)
+    pool.activate(store.read("ad", path, digest))
+    assert pool.activate(store.read("ad", path, digest)) is not None and pool.copies == 4, "same digest: resident"
+    pool.activate(store.read("ad", path))
+    assert pool.copies == 8, "read without a digest: nothing says it is the same weights"
+    make_adapter(tmp_path, name="ad", seed=2)  # rewritten in place, read again without a digest
+    new = store.read("ad", path)
+    slot = pool.activate(new)
+    assert pool.copies == 12 and all(torch.equal(pool.a[t][slot], new.a[t]) for t in new.a)

@@ -221,11 +221,17 @@ def test_a_buffer_is_reused_only_once_nothing_views_it_and_comes_back_clean(tmp_
     assert s.mapped_bytes == 2 * reused.nbytes
 
 
-def test_spare_buffers_are_bounded(adapter_path):
+def test_spare_buffers_are_bounded(tmp_path):
+    """Buffers of sizes no read wants any more are unmapped, keeping two spares."""
     s = store()
-    for _ in range(5):
-        s.read("a", adapter_path)
-    assert s.mapped_bytes <= 3 * s.read("a", adapter_path).nbytes
+    held = [s.read(f"t{i}", make_adapter(tmp_path, name=f"t{i}", target_modules=m)[1]) for i, m in enumerate(
+        (["q_proj"], ["o_proj"], ["down_proj"], ["q_proj", "o_proj"]))]  # four buffer sizes
+    sizes = [s.layout.nbytes(h.a) for h in held]
+    assert len(set(sizes)) == 4 and s.mapped_bytes == sum(sizes)
+    del held  # now all four are spares
+    last = s.read("last", make_adapter(tmp_path, name="last", target_modules=["q_proj", "down_proj"])[1])
+    assert s.layout.nbytes(last.a) not in sizes
+    assert s.mapped_bytes <= s.layout.nbytes(last.a) + 2 * max(sizes) < s.layout.nbytes(last.a) + sum(sizes)
 
 
 names = st.sampled_from("abcdef")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from diffusion import WAN, WAN_TARGETS, loaded, native, save_wan_lora
@@ -126,3 +128,37 @@ def test_a_zero_alpha_means_alpha_equals_rank_as_kohya_reads_it(tmp_path, diffus
     a, b = store.read("without", without), store.read("zero", zero)
     assert a.scaling == b.scaling == 1.0
     assert all(torch.equal(a.b[t], b.b[t]) for t in a.b)
+
+
+def test_ranks_in_the_files_metadata_config_are_checked_against_the_tensors(tmp_path, diffusers_file):
+    """The metadata's LoraConfig decides scalings as adapter_config.json does, so it is checked alike."""
+    from safetensors import safe_open
+
+    with safe_open(diffusers_file, "pt") as f:
+        metadata = f.metadata()
+    config = json.loads(metadata["lora_adapter_metadata"])
+    config["transformer.r"] = 8  # the tensors are rank 4 (2 for ffn.net.2, by its rank_pattern)
+    lying = tmp_path / "lying.safetensors"
+    save_file(load_file(diffusers_file), lying, metadata={**metadata, "lora_adapter_metadata": json.dumps(config)})
+    with pytest.raises(ValueError, match=r"module blocks\.0\.attn1\.to_k: rank 4, but lora_adapter_metadata gives "
+                                         r"it r=8, so its scaling is unknown"):
+        check_adapter_file(spec(), "lying", lying)
+
+
+def test_a_file_without_config_takes_the_scaling_most_modules_share(tmp_path, diffusers_file):
+    """alpha / r is 2 in all but two modules, which keep their own scaling folded into B."""
+    file = native(diffusers_file, tmp_path / "n.safetensors", "native", alphas=False)
+    tensors = load_file(file)
+    odd = {"blocks.0.ffn.0": 0.5, "blocks.1.self_attn.o": 3.0}  # native name -> its scaling
+    for key, value in list(tensors.items()):
+        if key.endswith(".lora_down.weight"):
+            module = key.removeprefix("diffusion_model.").removesuffix(".lora_down.weight")
+            tensors[f"diffusion_model.{module}.alpha"] = torch.tensor(value.shape[0] * odd.get(module, 2.0))
+    save_file(tensors, file)
+    adapter, _ = assert_matches_diffusers(file)
+    assert adapter.scaling == 2.0
+    ups = {k: v for k, v in tensors.items() if k.endswith("lora_up.weight")}
+    b = adapter.b["ffn_up"][0, :, :4]
+    torch.testing.assert_close(b, ups["diffusion_model.blocks.0.ffn.0.lora_up.weight"] * 0.25, rtol=0, atol=0)
+    assert torch.equal(adapter.b["ffn_up"][1, :, :4], ups["diffusion_model.blocks.1.ffn.0.lora_up.weight"]), \
+        "a module at the shared scaling is not folded"

@@ -1,5 +1,33 @@
-"""mstar.engine.resources.lora: the adapter pool of a multi-LoRA inference engine."""
+"""mstar.engine.resources.lora: the adapter pool of a multi-LoRA inference engine.
 
-from .spec import AdapterInfo, LoraSpec, LoraTarget
+The engine-facing names are importable from here: the model's specs, the startup check, the host
+tier (store), the device tier (pool) and the reference op.
+"""
 
-__all__ = ["AdapterInfo", "LoraSpec", "LoraTarget"]
+from .apply import add_lora
+from .check import adapter_targets, check_adapter_file, check_adapters, inspect_adapter
+from .digest import adapter_digest
+from .layout import SlotLayout, TargetLayout
+from .models import specs_from_config
+from .pool import LoraDevicePool
+from .spec import AdapterInfo, Location, LoraSpec, LoraTarget
+from .store import LoadedAdapter, LoraAdapterStore
+
+__all__ = [
+    "AdapterInfo",
+    "LoadedAdapter",
+    "Location",
+    "LoraAdapterStore",
+    "LoraDevicePool",
+    "LoraSpec",
+    "LoraTarget",
+    "SlotLayout",
+    "TargetLayout",
+    "adapter_digest",
+    "adapter_targets",
+    "add_lora",
+    "check_adapter_file",
+    "check_adapters",
+    "inspect_adapter",
+    "specs_from_config",
+]

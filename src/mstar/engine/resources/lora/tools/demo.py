@@ -138,6 +138,14 @@ def mixed_batch(raw: dict, spec, pool: LoraDevicePool, paths, batch: list[str | 
     return worst
 
 
+def demo_batch(served: list[str]) -> list[str | None]:
+    """Rows mixing up to three of the served adapters (the first twice) with base-model rows."""
+    if not served:
+        return [None, None]
+    first, *rest = served[:3]
+    return [first, None, *rest, first, None]
+
+
 def run_demo(args: argparse.Namespace) -> int:
     try:
         import transformers  # noqa: F401
@@ -152,8 +160,7 @@ def run_demo(args: argparse.Namespace) -> int:
     paths = write_samples(spec, root, args.adapters)
     print(f"wrote {len(paths)} sample PEFT adapters to {root}\n")
     digests = startup_check(spec, paths)
-    served = list(digests)
-    batch = [served[0], None, served[1], served[0], served[2 % len(served)], None][: max(2, len(served) + 1)]
+    batch = demo_batch(list(digests))
     pool = load_and_activate(spec, paths, digests, batch, device)
     worst = mixed_batch(raw, spec, pool, paths, batch, device)
     ok = worst < 1e-3

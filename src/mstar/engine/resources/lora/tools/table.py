@@ -16,7 +16,7 @@ def size(n: int) -> str:
 
 def table(rows: list[dict], columns: Sequence[str]) -> str:
     """rows as aligned text columns, a header line first; a missing value is blank."""
-    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+    widths = [max([len(c), *(len(str(r.get(c, ""))) for r in rows)]) for c in columns]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
     lines += ["  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(columns, widths, strict=True)) for r in rows]
     return "\n".join(lines)
