@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from mstar.engine.resources.lora import safetensors_header
 from mstar.engine.resources.lora.models import specs_from_config
 from mstar.engine.resources.lora.tools.samples import sample_modules, write_peft_adapter
 
@@ -26,15 +28,32 @@ def write_adapters(root: Path) -> tuple[Path, Path]:
     return large, small
 
 
-def side_by_side(fns: dict[str, Callable[[], object]], repeat: int = 7) -> dict[str, float]:
-    """Each function's best time, the runs interleaved so drift hits all of them alike."""
+def side_by_side(fns: dict[str, Callable[[], object]], repeat: int = 11) -> dict[str, float]:
+    """Each function's median time over repeat runs, the runs interleaved so drift hits all of them alike."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeat):
         for k, fn in fns.items():
             t = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t)
-    return {k: min(v) for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def cold(fn: Callable[[], object]) -> Callable[[], object]:
+    """fn with the header caches emptied first: a header never seen."""
+    def run():
+        safetensors_header._parse_cached.cache_clear()
+        return fn()
+    return run
+
+
+def ms(t: float) -> str:
+    return f"{t * 1e3:.2f} ms"
+
+
+def verdict(ratio: float, target: float, at_least: bool = False) -> str:
+    met = ratio >= target if at_least else ratio <= target
+    return f"{ratio:.2f}x (target {'>=' if at_least else '<='} {target}x: {'met' if met else 'NOT met'})"
 
 
 def status_kb(field: str) -> int:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from operator import attrgetter
+from typing import Any
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import adapter_digest
@@ -51,15 +53,20 @@ def misfit(spec: LoraSpec, module: str, a_shape: Sequence[int], b_shape: Sequenc
 
 def inspect_keys(spec: LoraSpec, items: Iterable[tuple[str, Sequence[int]]]) -> AdapterInfo:
     """inspect_adapter over (checkpoint key, shape) pairs, as a header lists them."""
-    modules = group_keys({key: tuple(shape) for key, shape in items}, spec.convert_keys)
+    return _inspect(spec, group_keys({key: tuple(shape) for key, shape in items}, spec.convert_keys))
+
+
+def _inspect(spec: LoraSpec, modules: dict[str, ModuleKeys], shape: Callable[[Any], tuple[int, ...]] = tuple,
+             ) -> AdapterInfo:
+    """inspect_keys over modules already grouped, whose role values give their shape through shape."""
     rank, unmapped, misfits, targets = 0, [], {}, set()
     placed: dict[tuple[str, int, int], str] = {}
     for module, keys in sorted(modules.items()):
-        roles = keys.roles
+        roles = {role: shape(v) for role, v in keys.roles.items()}
         if "A" in roles:
             rank = max(rank, roles["A"][0] if roles["A"] else 0)
         loc = spec.locate(module)
-        why = refused_roles(module, keys) or (
+        why = refused_roles(module, roles, keys.doubled) or (
             None if loc is None else _unpaired(roles) or misfit(spec, module, roles["A"], roles["B"]))
         if why:
             misfits[module] = why
@@ -74,13 +81,12 @@ def inspect_keys(spec: LoraSpec, items: Iterable[tuple[str, Sequence[int]]]) -> 
     return AdapterInfo(rank, tuple(unmapped), misfits, frozenset(targets))
 
 
-def refused_roles(module: str, keys: ModuleKeys) -> str | None:
+def refused_roles(module: str, roles: dict[str, tuple[int, ...]], doubled: Sequence[tuple[str, str]]) -> str | None:
     """Why a module is refused whichever node would serve it: weights that are not plain LoRA (by
     name), two keys for one weight, an alpha that is not one number, LoRA on the vocabulary."""
-    roles = keys.roles
     odd = sorted(r for r in roles if r not in SERVED_ROLES)
     why = [ROLE_REASONS.get(r, f"a {r} weight is not LoRA") for r in odd]
-    why += [f"two keys read as its {role} ({key} is one)" for role, key in keys.doubled]
+    why += [f"two keys read as its {role} ({key} is one)" for role, key in doubled]
     if why:
         return "; ".join(why)
     if "alpha" in roles and math.prod(roles["alpha"]) != 1:
@@ -106,7 +112,7 @@ def inspect_checkpoint(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
 
 
 def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
-    info = inspect_keys(spec, [(k, e.shape) for k, e in ckpt.header.tensors.items()])
+    info = _inspect(spec, ckpt.modules(spec.convert_keys), attrgetter("shape"))
     misfits = dict(info.misfits)
     config = ckpt.config
     skip = set(misfits) | set(info.unmapped)  # judged already, or another node's

@@ -107,7 +107,14 @@ class Checkpoint:
         """Each module's alpha / r (or / sqrt(r) with rsLoRA), from its alpha tensor, else the config,
         else 1: a trainer that writes no alpha means alpha = rank."""
         if convert_keys not in self._scalings:
-            self._scalings[convert_keys] = self._module_scalings(convert_keys)
+            alphas = self._alphas(convert_keys)
+            if alphas:
+                self._scalings[convert_keys] = self._module_scalings(convert_keys, alphas)
+            else:  # the header and the config decide them: once per distinct pair
+                key = ("scalings", convert_keys, repr(self.config))
+                if key not in self.header.memo:
+                    self.header.memo[key] = self._module_scalings(convert_keys, {})
+                self._scalings[convert_keys] = self.header.memo[key]
         return self._scalings[convert_keys]
 
     def scaling(self, convert_keys: ConvertKeys) -> float:
@@ -118,11 +125,9 @@ class Checkpoint:
         counts = Counter(self.scalings(convert_keys).values())
         return max(counts, key=lambda s: (counts[s], -s)) if counts else 1.0
 
-    def _module_scalings(self, convert_keys: ConvertKeys) -> dict[str, float]:
-        modules = self.modules(convert_keys)
-        alphas = self._alphas(modules)
+    def _module_scalings(self, convert_keys: ConvertKeys, alphas: dict[str, float]) -> dict[str, float]:
         out = {}
-        for module, keys in modules.items():
+        for module, keys in self.modules(convert_keys).items():
             a = keys.roles.get("A")
             r = a.shape[0] if a is not None and a.shape else 0
             if module in alphas:
@@ -133,9 +138,13 @@ class Checkpoint:
                 out[module] = 1.0
         return out
 
-    def _alphas(self, modules: Modules) -> dict[str, float]:
+    def _alphas(self, convert_keys: ConvertKeys) -> dict[str, float]:
         """Each alpha tensor's value, read alone (the file is opened only where there are any)."""
-        entries = {m: keys.roles["alpha"] for m, keys in modules.items() if "alpha" in keys.roles}
+        key = ("alphas", convert_keys)
+        if key not in self.header.memo:
+            modules = self.modules(convert_keys).items()
+            self.header.memo[key] = {m: keys.roles["alpha"] for m, keys in modules if "alpha" in keys.roles}
+        entries = self.header.memo[key]
         out: dict[str, float] = {}
         if entries:
             with open(self.weights, "rb") as f:

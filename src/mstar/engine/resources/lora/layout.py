@@ -80,8 +80,9 @@ class TargetLayout:
 
     def split(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views a and b of a block whose last dimension is numel (a slab's leading slot dim is kept)."""
-        a = block[..., : math.prod(self.a_shape)].unflatten(-1, self.a_shape)
-        b = block[..., self.b_offset : self.numel].unflatten(-1, self.b_shape)
+        lead = block.shape[:-1]
+        a = block[..., : math.prod(self.a_shape)].view(*lead, *self.a_shape)
+        b = block[..., self.b_offset : self.numel].view(*lead, *self.b_shape)
         return a, b
 
 
