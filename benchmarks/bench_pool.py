@@ -7,6 +7,8 @@ link's bandwidth measured in the same run.
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -22,7 +24,9 @@ from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_fi
 
 def main() -> None:
     torch.set_num_threads(1)
-    large, _ = write_adapters(Path(tempfile.mkdtemp()))
+    root = Path(tempfile.mkdtemp())  # removed at exit
+    atexit.register(shutil.rmtree, root, True)
+    large, _ = write_adapters(root)
     spec = llama8b_spec()
     digest = check_adapter_file(spec, "large", large)
     adapter = LoraAdapterStore(spec, pin=False).read("large", large, digest)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from operator import attrgetter
 from typing import Any
 
 from .checkpoint import Checkpoint, open_checkpoint
-from .digest import adapter_digest
+from .digest import HASH_ON_EVERY_CORE, adapter_digest
 from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
 from .spec import AdapterInfo, LoraSpec, as_linear
 
@@ -166,7 +167,8 @@ def adapter_targets(spec: LoraSpec, path: str | os.PathLike[str]) -> set[str]:
 
 
 def check_adapter_file(
-    spec: LoraSpec, name: str, path: str | os.PathLike[str], others: Sequence[LoraSpec] = ()
+    spec: LoraSpec, name: str, path: str | os.PathLike[str], others: Sequence[LoraSpec] = (), *,
+    hash_threads: int = HASH_ON_EVERY_CORE,
 ) -> bytes:
     """The adapter at path checked against spec and the model's others (its LoRA specs for other
     nodes, a vision tower's say, which serve the same adapters), each from the checkpoint's header;
@@ -183,7 +185,7 @@ def check_adapter_file(
     digests: dict = {}
     for s in specs:  # once per way the specs convert the checkpoint
         if s.convert_keys not in digests:
-            digests[s.convert_keys] = adapter_digest(ckpt, s.convert_keys)
+            digests[s.convert_keys] = adapter_digest(ckpt, s.convert_keys, threads=hash_threads)
     return digests[spec.convert_keys]
 
 
@@ -199,19 +201,25 @@ def adapter_problems(specs: Sequence[LoraSpec], ckpt: Checkpoint) -> dict[str, s
     return problems
 
 
-def check_adapters(spec: LoraSpec, others: Sequence[LoraSpec] = ()) -> dict[str, bytes]:
+def check_adapters(spec: LoraSpec, others: Sequence[LoraSpec] = (), *, workers: int | None = None,
+                   ) -> dict[str, bytes]:
     """Every adapter spec serves, through check_adapter_file (against others too); returns each
     one's digest.
 
     Raises naming every adapter that fails, so a bad adapter in the serving config stops the
-    deployment at startup, the same whether or not a worker would have preloaded it.
+    deployment at startup, the same whether or not a worker would have preloaded it. Adapters are
+    checked on workers threads (default: one per core), each hashing on one core.
     """
-    digests, failures = {}, []
-    for name, path in spec.adapters.items():
+    def check(item: tuple[str, str]) -> bytes | str:
         try:
-            digests[name] = check_adapter_file(spec, name, path, others)
+            return check_adapter_file(spec, *item, others, hash_threads=1)
         except ValueError as e:
-            failures.append(str(e))
+            return str(e)
+
+    with ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="mstar-lora-check") as pool:
+        results = dict(zip(spec.adapters, pool.map(check, spec.adapters.items()), strict=True))
+    digests = {name: r for name, r in results.items() if isinstance(r, bytes)}
+    failures = [r for r in results.values() if isinstance(r, str)]
     if failures:
         raise ValueError(f"{len(failures)} of {len(spec.adapters)} adapters cannot be served:\n" + "\n".join(failures))
     return digests

@@ -14,33 +14,47 @@ from .safetensors_header import TensorEntry
 
 # Bumped whenever what the digest covers changes, so old and new digests never collide.
 DOMAIN = b"mstar-lora adapter digest v1\0"
+HASH_ON_EVERY_CORE = blake3.blake3.AUTO
 
 
-def adapter_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, mm: mmap.mmap | None = None) -> bytes:
+def adapter_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, mm: mmap.mmap | None = None, *,
+                   threads: int = HASH_ON_EVERY_CORE) -> bytes:
     """The BLAKE3 digest of every module's name, role, dtype, shape and scaling, in name order, and of
     their bytes in that order.
 
     So it is the same on every node, rank and world size whatever the file's tensor order, and
     changes with any served byte or scaling.
     """
-    data = data_digest(checkpoint, convert_keys, checkpoint.mapping() if mm is None else mm)
-    manifest = []
-    scalings = checkpoint.scalings(convert_keys)
-    for module, keys in sorted(checkpoint.modules(convert_keys).items()):
-        scaling = scalings[module].hex()
-        manifest += [[module, role, e.dtype, list(e.shape), scaling] for role, e in sorted(keys.roles.items())]
-    head = json.dumps(manifest).encode()
+    data = data_digest(checkpoint, convert_keys, checkpoint.mapping() if mm is None else mm, threads)
+    head = manifest(checkpoint, convert_keys)
     return blake3.blake3(DOMAIN + len(head).to_bytes(8, "little") + head + data).digest()
 
 
-def data_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, mm: mmap.mmap) -> bytes:
+def manifest(checkpoint: Checkpoint, convert_keys: ConvertKeys) -> bytes:
+    """Every module's name, role, dtype, shape and scaling, in name order: once per header and scalings."""
+    scalings = checkpoint.scalings(convert_keys)
+    key = ("manifest", convert_keys, tuple(scalings.items()))
+    if key not in checkpoint.header.memo:
+        rows = []
+        for module, keys in sorted(checkpoint.modules(convert_keys).items()):
+            scaling = scalings[module].hex()
+            rows += [[module, role, e.dtype, list(e.shape), scaling] for role, e in sorted(keys.roles.items())]
+        checkpoint.header.memo[key] = json.dumps(rows).encode()
+    return checkpoint.header.memo[key]
+
+
+def data_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, mm: mmap.mmap,
+                threads: int = HASH_ON_EVERY_CORE) -> bytes:
     """The BLAKE3 of the tensors' bytes in name order. Runs that lie in the file in that order (all
-    of them, for a file safetensors wrote) are hashed as one range, on every core, GIL released."""
-    order = [e for _, keys in sorted(checkpoint.modules(convert_keys).items()) for _, e in sorted(keys.roles.items())]
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    of them, for a file safetensors wrote) are hashed as one range, on threads cores, GIL released."""
+    key = ("byte runs", convert_keys)
+    if key not in checkpoint.header.memo:
+        modules = sorted(checkpoint.modules(convert_keys).items())
+        checkpoint.header.memo[key] = list(_runs([e for _, keys in modules for _, e in sorted(keys.roles.items())]))
+    h = blake3.blake3(max_threads=threads)
     view = memoryview(mm)
     try:
-        for start, stop in _runs(order):
+        for start, stop in checkpoint.header.memo[key]:
             h.update(view[start:stop])
     finally:
         view.release()

@@ -109,6 +109,7 @@ class LoraAdapterStore:
         self._held: OrderedDict[str, LoadedAdapter | None] = OrderedDict()
         self._reading: dict[str, Future[LoadedAdapter]] = {}
         self._buffers = HostBuffers(self.pin)
+        self._staging = HostBuffers(pin=False, spare=1)  # what reads pass through, never pinned
         self._lock = threading.Lock()
 
     # --- what is held: hold and drop alone decide it -------------------------------------
@@ -185,7 +186,7 @@ class LoraAdapterStore:
         # The hash (which releases the GIL) runs beside the copy; nothing is returned unless it matches.
         hashing = _HASHER.submit(adapter_digest, ckpt, conv) if digest is not None else None
         try:
-            top, blocks = read_layout(ckpt, self.layout, self._buffers)
+            top, blocks = read_layout(ckpt, self.layout, self._buffers, self._staging)
         finally:
             found = hashing.result() if hashing else None
         if found != digest:

@@ -1,0 +1,247 @@
+"""How an adapter's file is copied into one rank's slot layout, worked out once per header.
+
+A piece is one factor of one module for one slice of one layer, cut to the rank by the sharding
+rule. Pieces contiguous both in the file and in their place, needing no cast, are read straight
+into the blocks ("direct": every A whose columns are whole, and B where the module's rank is
+max_rank). The rest of B is read into a staging buffer; where every layer and slice of a target
+has one module of one rank ("dense", as in most adapters), its B lies there as [layers, out_shard,
+r] and moves into b[..., :r] in one strided copy, else piece by piece. A row target's column shard
+of A, a strided eighth of each row at world size 8, is copied from a mapping of the file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import NamedTuple
+
+import torch
+
+from .checkpoint import Checkpoint
+from .layout import SlotLayout
+from .safetensors_header import TensorEntry
+from .spec import as_linear
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+RUN_BYTES = 1 << 30  # Linux moves at most about 2 GiB in one read
+BATCH_BYTES = 4 << 20  # reads are shared among threads in batches of about this
+# The kernel copies a file's bytes out at memory speed only where source and destination agree in
+# their address modulo this (measured: 1.5x slower 16 bytes apart, 4x slower 8 apart), and a file's
+# tensors start wherever its header ends. So the blocks start this far into their buffer, at the
+# offset that makes most bytes agree, and staged bytes are placed to agree too.
+SKEW = 64
+
+
+class Piece(NamedTuple):
+    """One factor of one module for one slice of one layer, cut to this rank: rows and columns of
+    the factor (as a linear's [rows, columns]) into rows of a[layer] or b[layer], columns 0 on."""
+
+    module: str
+    role: str  # "A" or "B"
+    entry: TensorEntry
+    rows: tuple[int, int]
+    columns: tuple[int, int]
+    target: str
+    layer: int
+    to_rows: tuple[int, int]
+
+
+class Read(NamedTuple):
+    """A piece's rows, contiguous in the file, and where preadv puts them: in the blocks (counted from
+    the first) or in the staging buffer."""
+
+    at: int
+    nbytes: int
+    to: int
+    piece: Piece
+
+
+class Dense(NamedTuple):
+    """A target whose B lies in the staging buffer as [layers, out_shard, rank], file dtype, from at."""
+
+    target: str
+    rank: int
+    at: int
+    dtype: torch.dtype
+
+
+Run = tuple[int, tuple[tuple[int, int], ...]]  # one preadv: file offset, ((destination offset, bytes), ...)
+Batch = tuple[Run, ...]  # runs read one after another by one thread
+
+
+class Plan(NamedTuple):
+    """How one header's adapter is copied into one layout: the same for every file with that header."""
+
+    targets: tuple[str, ...]  # in buffer order
+    nbytes: int  # the buffer's: the blocks, from skew on
+    skew: int
+    direct: tuple[Read, ...]
+    staged: tuple[Read, ...]  # every read into the staging buffer
+    dense: tuple[Dense, ...]
+    mapped: tuple[Piece, ...]
+    batches: tuple[Batch, ...]  # direct reads
+    staged_batches: tuple[Batch, ...]
+    staging: int  # the staging buffer's bytes
+    partial: frozenset[str]  # targets, not dense, whose blocks the pieces do not fill
+    rank: int  # the largest module rank among the pieces
+    modules: tuple[str, ...]
+
+    def spread(self) -> list[Read]:
+        """The staged reads copied piece by piece: all but the B of dense targets."""
+        dense = {d.target for d in self.dense}
+        return [r for r in self.staged if r.piece.role == "A" or r.piece.target not in dense]
+
+
+def plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
+    """The pieces of the modules layout's spec serves (the rest are other nodes'), once per header."""
+    key = ("plan", layout)
+    memo = ckpt.header.memo
+    if key not in memo:
+        memo[key] = _plan(ckpt, layout)
+    return memo[key]
+
+
+def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
+    spec = layout.spec
+    placed = []
+    for module, keys in sorted(ckpt.modules(spec.convert_keys).items()):
+        loc = spec.locate(module)
+        if loc is not None:
+            placed.append((module, loc, keys.roles["A"], keys.roles["B"]))
+    targets = tuple(n for n in spec.targets if any(loc.target == n for _, loc, _, _ in placed))
+    pieces = _pieces(placed, layout)
+    direct, staged, mapped = _sort(pieces, layout, targets)
+    dense = _dense(pieces, layout, targets, direct)
+    staged, dense, staging = _stage(staged, dense, layout)
+    item = layout.dtype.itemsize
+    filled = Counter()
+    for a, b in pieces:
+        filled[a.target] += (a.rows[1] - a.rows[0]) * (a.columns[1] - a.columns[0])
+        filled[b.target] += (b.rows[1] - b.rows[0]) * (b.columns[1] - b.columns[0])
+    dense_targets = {d.target for d in dense}
+    partial = frozenset(n for n in targets if n not in dense_targets
+                        and filled[n] < layout.targets[n].weight_bytes // item)
+    rank = max((as_linear(A.shape)[0] for _, _, A, _ in placed), default=0)
+    return Plan(targets, SKEW + layout.nbytes(targets), _skew(direct, item), tuple(direct), tuple(staged),
+                tuple(dense), tuple(mapped), _batches(direct), _batches(staged), staging, partial, rank,
+                tuple(module for module, _, _, _ in placed))
+
+
+def _pieces(placed: list, layout: SlotLayout) -> list[tuple[Piece, Piece]]:
+    """(A, B) pieces of every placed module and slice, cut by the sharding rule."""
+    out = []
+    for module, (target, layer, s_), A, B in placed:
+        tl = layout.targets[target]
+        t = tl.target
+        r = as_linear(A.shape)[0]
+        for s in t.covered(s_):
+            # A's input columns are this rank's chunk (all of them unless row-parallel); B's rows are this
+            # rank's rows of slice s, found at the slice's start in a module covering every slice.
+            (c0, c1), (r0, r1) = tl.shard.columns, tl.shard.rows[s]
+            src = 0 if s_ is not None else t.slice_starts[s]
+            a_to, b_to = tl.a_rows(s).start, tl.b_rows(s).start
+            out.append((Piece(module, "A", A, (0, r), (c0, c1), target, layer, (a_to, a_to + r)),
+                        Piece(module, "B", B, (src + r0, src + r1), (0, r), target, layer, (b_to, b_to + r1 - r0))))
+    return out
+
+
+def _sort(pieces: list[tuple[Piece, Piece]], layout: SlotLayout, targets: tuple[str, ...],
+          ) -> tuple[list[Read], list[Piece], list[Piece]]:
+    """Pieces by how they are copied: direct reads (with their place), pieces to stage, pieces to map."""
+    offsets, R, item = layout.offsets(targets), layout.spec.max_rank, layout.dtype.itemsize
+    direct, staged, mapped = [], [], []
+    for a, b in pieces:
+        tl = layout.targets[a.target]
+        r, cols = as_linear(a.entry.shape)
+        same = a.entry.torch_dtype == layout.dtype
+        if a.columns != (0, cols):
+            mapped.append(a)
+        elif same:
+            to = offsets[a.target] + (a.layer * tl.a_shape[1] + a.to_rows[0]) * cols * item
+            direct.append(Read(a.entry.start, r * cols * item, to, a))
+        else:
+            staged.append(a)
+        if same and r == R:
+            to = offsets[b.target] + (tl.b_offset + (b.layer * tl.b_shape[1] + b.to_rows[0]) * R) * item
+            direct.append(Read(b.entry.start + b.rows[0] * r * item, (b.rows[1] - b.rows[0]) * r * item, to, b))
+        else:
+            staged.append(b)
+    return direct, staged, mapped
+
+
+def _dense(pieces: list[tuple[Piece, Piece]], layout: SlotLayout, targets: tuple[str, ...],
+           direct: list[Read]) -> list[Dense]:
+    """Targets whose B is staged and whose every layer and slice has one module, all of one rank."""
+    by_target: dict[str, list[Piece]] = {}
+    for _, b in pieces:
+        by_target.setdefault(b.target, []).append(b)
+    read_direct = {d.piece.target for d in direct if d.piece.role == "B"}
+    dense = []
+    for name in targets:
+        t, bs = layout.targets[name].target, by_target[name]
+        ranks = {b.columns[1] for b in bs}
+        whole = len(bs) == len({(b.layer, b.to_rows) for b in bs}) == t.layers * t.slices
+        if name not in read_direct and len(ranks) == 1 and whole:
+            dense.append(Dense(name, ranks.pop(), 0, bs[0].entry.torch_dtype))
+    return dense
+
+
+def _stage(staged: list[Piece], dense: list[Dense], layout: SlotLayout) -> tuple[list[Read], list[Dense], int]:
+    """Places in the staging buffer: a dense target's B as one [layers, out_shard, r] array, the rest one
+    after another, each where its address agrees with the file's modulo SKEW where it can."""
+    reads, at = [], 0
+    placed_dense = []
+    by_target = {d.target: d for d in dense}
+    for d in dense:
+        tl = layout.targets[d.target]
+        first = min((p for p in staged if p.target == d.target and p.role == "B"), key=lambda p: (p.layer, p.to_rows))
+        size = d.dtype.itemsize * d.rank
+        at += (first.entry.start + first.rows[0] * size - at) % SKEW
+        placed_dense.append(d._replace(at=at))
+        for p in staged:
+            if p.target == d.target and p.role == "B":
+                to = at + (p.layer * tl.b_shape[1] + p.to_rows[0]) * size
+                reads.append(Read(p.entry.start + p.rows[0] * size, (p.rows[1] - p.rows[0]) * size, to, p))
+        at += tl.target.layers * tl.b_shape[1] * size
+    for p in staged:
+        if p.role == "B" and p.target in by_target:
+            continue
+        size = p.entry.torch_dtype.itemsize * as_linear(p.entry.shape)[1]
+        start = p.entry.start + p.rows[0] * size
+        at += (start - at) % SKEW
+        reads.append(Read(start, (p.rows[1] - p.rows[0]) * size, at, p))
+        at += (p.rows[1] - p.rows[0]) * size
+    return reads, placed_dense, at
+
+
+def _skew(direct: list[Read], itemsize: int) -> int:
+    """The offset of the blocks in their buffer that puts most direct bytes at the address the file
+    has them at, modulo SKEW; a whole number of elements, so every view stays aligned for its dtype."""
+    weight: Counter[int] = Counter()
+    for d in direct:
+        weight[(d.at - d.to) % SKEW] += d.nbytes
+    fits = [(n, -k) for k, n in weight.items() if k % itemsize == 0]
+    return -max(fits)[1] if fits else 0
+
+
+def _batches(reads: list[Read]) -> tuple[Batch, ...]:
+    """Reads in file order, joined into one preadv wherever each starts where the last ended, in
+    batches of about BATCH_BYTES."""
+    batches: list[list[Run]] = [[]]
+    start = end = 0
+    parts: list[tuple[int, int]] = []
+    done = 0  # bytes of the finished batches and the current one
+    for at, n, to, _ in sorted(reads):
+        full = done >= BATCH_BYTES * len(batches)
+        if at != end or len(parts) == IOV_MAX or end - start + n > RUN_BYTES or full:
+            if parts:
+                batches[-1].append((start, tuple(parts)))
+            if full:
+                batches.append([])
+            start, end, parts = at, at, []
+        parts.append((to, n))
+        end += n
+        done += n
+    if parts:
+        batches[-1].append((start, tuple(parts)))
+    return tuple(tuple(b) for b in batches if b)
