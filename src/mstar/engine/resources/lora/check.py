@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from operator import attrgetter
 from typing import Any
@@ -210,16 +210,22 @@ def check_adapters(spec: LoraSpec, others: Sequence[LoraSpec] = (), *, workers: 
     deployment at startup, the same whether or not a worker would have preloaded it. Adapters are
     checked on workers threads (default: one per core), each hashing on one core.
     """
-    def check(item: tuple[str, str]) -> bytes | str:
+    return check_all(spec, spec.adapters, others, workers=workers)
+
+
+def check_all(spec: LoraSpec, adapters: Mapping[str, str | os.PathLike[str]], others: Sequence[LoraSpec] = (), *,
+              workers: int | None = None) -> dict[str, bytes]:
+    """check_adapters over the adapters given (name -> path) rather than the spec's."""
+    def check(item: tuple[str, str | os.PathLike[str]]) -> bytes | str:
         try:
             return check_adapter_file(spec, *item, others, hash_threads=1)
         except ValueError as e:
             return str(e)
 
     with ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="mstar-lora-check") as pool:
-        results = dict(zip(spec.adapters, pool.map(check, spec.adapters.items()), strict=True))
+        results = dict(zip(adapters, pool.map(check, adapters.items()), strict=True))
     digests = {name: r for name, r in results.items() if isinstance(r, bytes)}
     failures = [r for r in results.values() if isinstance(r, str)]
     if failures:
-        raise ValueError(f"{len(failures)} of {len(spec.adapters)} adapters cannot be served:\n" + "\n".join(failures))
+        raise ValueError(f"{len(failures)} of {len(adapters)} adapters cannot be served:\n" + "\n".join(failures))
     return digests

@@ -11,7 +11,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -107,7 +107,7 @@ class LoraAdapterStore:
         self.spec, self.rank, self.world_size, self.dtype = spec, rank, world_size, self.layout.dtype
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._held: OrderedDict[str, LoadedAdapter | None] = OrderedDict()
-        self._reading: dict[str, Future[LoadedAdapter]] = {}
+        self._reading: dict[str, tuple[bytes | None, Future[LoadedAdapter]]] = {}  # name -> (digest, read)
         self._buffers = HostBuffers(self.pin)
         self._staging = HostBuffers(pin=False, spare=1)  # what reads pass through, never pinned
         self._lock = threading.Lock()
@@ -201,19 +201,24 @@ class LoraAdapterStore:
         """Hold name and read it from path unless its copy is in.
 
         A copy read under another digest than the one given is not its copy: the file changed and
-        was checked again, so it is read again.
+        was checked again, so it is read again. A read already under way is joined only if it reads
+        under the same digest; one under another is let land first.
         """
         self.hold(name)
-        with self._lock:
-            copy = self._held.get(name)
-            if copy is not None and (digest is None or copy.digest == digest):
-                return copy
-            future = self._reading.get(name)
-            mine = future is None
-            if mine:
-                future = self._reading[name] = Future()
-        if not mine:
-            return future.result()
+        while True:
+            with self._lock:
+                copy = self._held.get(name)
+                if copy is not None and (digest is None or copy.digest == digest):
+                    return copy
+                reading = self._reading.get(name)
+                if reading is None:
+                    future: Future[LoadedAdapter] = Future()
+                    self._reading[name] = (digest, future)
+                    break
+            theirs, other = reading
+            if digest is None or theirs == digest:
+                return other.result()
+            wait([other])
         try:
             adapter = self.read(name, path, digest)
         except BaseException as e:

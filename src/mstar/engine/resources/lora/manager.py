@@ -1,0 +1,336 @@
+"""The adapter manager: the pool's protocol, run by an engine once per scheduler step.
+
+The engine gives each step's running batch and waiting queue. The manager holds the batch's
+adapters (keep = the batch), then the queue's in order as far as the host tier's capacity allows;
+reads each newly held one on background workers and puts it when it lands; agrees with the other
+ranks, in one collective, which adapters are in everywhere and which failed; and admits the waiting
+requests whose adapter is in and fits a device slot, copying it in (on CUDA, on a side stream the
+forward waits on). A step never waits on a read: a request whose adapter is not in yet waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .check import check_adapter_file, check_all
+from .models import specs_from_config
+from .pool import LoraDevicePool
+from .ranks import FAILED, MISSING, READY, agree, gather_reasons, same_everywhere
+from .registry import Registry, Version
+from .store import LoraAdapterStore
+
+
+class Request(NamedTuple):
+    """A request as the manager sees it: the engine's id for it, and its adapter's name (None: the base model)."""
+
+    id: Hashable
+    adapter: str | None
+
+
+@dataclass
+class Step:
+    """What one step decided. admitted: the waiting requests that can start now, in queue order, their
+    adapters already in a device slot (on CUDA once ready has been waited on). failed: the waiting
+    requests whose adapter cannot be served, with why. slot and digest: every running and admitted
+    request's slot (-1 for the base model) and its adapter's digest, the root of its prefix-cache keys."""
+
+    admitted: list[Hashable] = field(default_factory=list)
+    failed: dict[Hashable, ValueError] = field(default_factory=dict)
+    slot: dict[Hashable, int] = field(default_factory=dict)
+    digest: dict[Hashable, bytes | None] = field(default_factory=dict)
+    ready: torch.cuda.Event | None = None
+
+
+@dataclass
+class Counters:
+    """What the manager has done since it started; waiting is the last step's."""
+
+    host_hits: int = 0  # requests whose adapter was in host memory when they first waited
+    host_misses: int = 0
+    reads: int = 0
+    bytes_read: int = 0  # host bytes filled by reads, every node
+    read_seconds: float = 0.0
+    read_failures: int = 0
+    evictions: int = 0  # adapters the host tier dropped for room
+    device_copies: int = 0
+    failed_requests: int = 0
+    waiting_on_adapter: int = 0
+
+
+class LoraManager:
+    """The engine's side of the pool: registration, per-step admission, background reads, agreement.
+
+    Every rank makes the same calls in the same order (the engine's scheduler decides once); with a
+    process group, readiness and failures are agreed by one all-reduce per step, so ranks never use
+    different adapters. stores and pools are keyed by node (the language model, a vision tower);
+    an adapter is in once every node's store has it.
+    """
+
+    def __init__(self, stores: Mapping[str, LoraAdapterStore], pools: Mapping[str, LoraDevicePool], *,
+                 group: dist.ProcessGroup | None = None, read_workers: int = 4) -> None:
+        if set(stores) != set(pools) or not stores:
+            raise ValueError(f"one store and one pool per node, not stores {sorted(stores)} and pools {sorted(pools)}")
+        if len({p.slots for p in pools.values()}) != 1:
+            raise ValueError("every node's pool needs the same number of slots, so an adapter has one slot")
+        self.stores, self.pools, self.group = dict(stores), dict(pools), group
+        self.registry = Registry()
+        self.slots = next(iter(pools.values())).slots
+        self.capacity = min(s.spec.capacity for s in stores.values())
+        self._pinned: dict[Hashable, Version | None] = {}
+        self._seen: set[Hashable] = set()
+        self._reads: dict[str, Future[None]] = {}
+        self._failures: dict[str, ValueError] = {}
+        self._lock = threading.Lock()
+        self._workers = ThreadPoolExecutor(read_workers, thread_name_prefix="mstar-lora-manager")
+        self._counters = Counters()
+        device = next(iter(pools.values())).device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @classmethod
+    def build(cls, config: Any, *, max_rank: int, host_capacity: int, slots: int, device: str | torch.device = "cpu",
+              rank: int = 0, world_size: int = 1, group: dist.ProcessGroup | None = None,
+              dtype: torch.dtype = torch.bfloat16, pin: bool | None = None, read_workers: int = 4) -> LoraManager:
+        """A manager with a store and a pool for every node of the model config describes."""
+        specs = specs_from_config(config, max_rank=max_rank, capacity=host_capacity, dtype=dtype)
+        stores = {n: LoraAdapterStore(s, rank, world_size, pin=pin) for n, s in specs.items()}
+        pools = {n: LoraDevicePool(s, slots, device, rank, world_size) for n, s in specs.items()}
+        return cls(stores, pools, group=group, read_workers=read_workers)
+
+    # --- registration: a call every rank makes -------------------------------------------
+
+    def register(self, name: str, path: str | os.PathLike[str]) -> Version:
+        """name checked at path against every node's spec and made current: requests admitted from now
+        on get these weights under their digest; running ones keep theirs. Registering a name again
+        with other weights is a reload; registering a failed name again retries it."""
+        specs = [s.spec for s in self.stores.values()]
+        digest = check_adapter_file(specs[0], name, path, specs[1:])
+        return self._register(Version(name, path, digest))
+
+    def register_all(self, adapters: Mapping[str, str | os.PathLike[str]]) -> dict[str, Version]:
+        """The serving config at startup: every adapter checked (on every core), raising naming every
+        one that cannot be served before any is registered."""
+        specs = [s.spec for s in self.stores.values()]
+        digests = check_all(specs[0], adapters, specs[1:])
+        return {name: self._register(Version(name, adapters[name], d)) for name, d in digests.items()}
+
+    def _register(self, version: Version) -> Version:
+        seen = same_everywhere(version.digest, self.group)
+        if len(set(seen)) != 1:
+            raise ValueError(f"adapter {version.name!r} ({version.path}): the ranks read different weights there "
+                             f"(digests {', '.join(d.hex()[:16] for d in seen)})")
+        self.registry.register(version)
+        return version
+
+    def unregister(self, name: str) -> None:
+        """No new request gets name; its memory is freed once no running request uses it."""
+        self.registry.unregister(name)
+
+    # --- the step ------------------------------------------------------------------------
+
+    def step(self, running: Sequence[Request], waiting: Sequence[Request]) -> Step:
+        """This step's admissions, failures and slots (see Step). Never waits on a read."""
+        out = Step()
+        pins = self._pins(running)
+        batch = list(dict.fromkeys(v for v in pins.values() if v is not None))
+        wanted: dict[Hashable, Version] = {}
+        for r in waiting:
+            if r.adapter is None:
+                continue
+            v = self.registry.resolve(r.adapter)
+            if isinstance(v, ValueError):
+                out.failed[r.id] = v
+            else:
+                wanted[r.id] = v
+        prefetched = self._hold(batch, list(dict.fromkeys(wanted.values())))
+        self._count_first_waits(waiting, wanted)
+        states, errors = self._agree(prefetched)
+        active, activate = {v.key for v in batch}, []
+        for r in waiting:
+            v = wanted.get(r.id)
+            if r.adapter is None:
+                out.admitted.append(r.id)
+                pins[r.id] = None
+            elif v is None:
+                continue
+            elif states.get(v.key) == FAILED:
+                out.failed[r.id] = errors[v.key]
+            elif states.get(v.key) == READY and (v.key in active or len(active) < self.slots):
+                if v.key not in active:
+                    active.add(v.key)
+                    activate.append(v)
+                out.admitted.append(r.id)
+                pins[r.id] = v
+        out.ready = self._activate(activate, active)
+        settled = set(out.admitted) | set(out.failed)
+        for rid, v in pins.items():
+            out.slot[rid] = -1 if v is None else self._slot(v)
+            out.digest[rid] = None if v is None else v.digest
+        self._pinned = {rid: v for rid, v in pins.items() if v is not None}
+        self._collect()
+        with self._lock:
+            c = self._counters
+            c.failed_requests += len(out.failed)
+            c.waiting_on_adapter = sum(1 for r in waiting if r.id not in settled)
+            c.device_copies = sum(p.copies for p in self.pools.values())
+        return out
+
+    def _pins(self, running: Sequence[Request]) -> dict[Hashable, Version | None]:
+        """The version each running request was admitted with (a reload does not move it)."""
+        pins: dict[Hashable, Version | None] = {}
+        for r in running:
+            if r.adapter is None:
+                pins[r.id] = None
+            elif r.id in self._pinned and self._pinned[r.id].name == r.adapter:
+                pins[r.id] = self._pinned[r.id]
+            else:
+                raise ValueError(f"request {r.id!r} runs adapter {r.adapter!r} without this manager having admitted it")
+        return pins
+
+    def _hold(self, batch: list[Version], queue: list[Version]) -> list[Version]:
+        """Hold the batch's versions, then the queue's in order while the host tier has room for them
+        beside the batch; start a read for each one newly held. The queue's versions held, in order."""
+        keep = [v.key for v in batch]
+        for v in batch:
+            self._hold_one(v, keep)
+        held = []
+        for v in queue:
+            if v.key in keep:
+                continue
+            if len(keep) >= self.capacity:
+                break
+            keep.append(v.key)
+            self._hold_one(v, keep)
+            held.append(v)
+        return held
+
+    def _hold_one(self, v: Version, keep: list[str]) -> None:
+        before = {n: set(s.held()) for n, s in self.stores.items()}
+        new = [s.hold(v.key, keep) for s in self.stores.values()]
+        gone = max(len(before[n] - set(s.held())) for n, s in self.stores.items())
+        with self._lock:
+            self._counters.evictions += gone
+            if any(new) and v.key not in self._reads:
+                self._failures.pop(v.key, None)
+                self._reads[v.key] = self._workers.submit(self._read, v)
+
+    def _read(self, v: Version) -> None:
+        """v read for every node and put, or its failure recorded: on a worker, outside every lock."""
+        start = time.perf_counter()
+        try:
+            copies = {n: s.read(v.name, v.path, v.digest) for n, s in self.stores.items()}
+        except Exception as e:  # a read's refusal is a ValueError naming adapter and file; anything else is wrapped
+            error = e if isinstance(e, ValueError) else ValueError(f"adapter {v.name!r} ({v.path}): {e!r}")
+            with self._lock:
+                self._failures[v.key] = error
+                self._counters.read_failures += 1
+                del self._reads[v.key]
+            return
+        for n, s in self.stores.items():
+            s.put(dataclasses.replace(copies[n], name=v.key))
+        with self._lock:
+            c = self._counters
+            c.reads += 1
+            c.bytes_read += sum(a.nbytes for a in copies.values())
+            c.read_seconds += time.perf_counter() - start
+            del self._reads[v.key]
+
+    def _agree(self, versions: list[Version]) -> tuple[dict[str, int], dict[str, ValueError]]:
+        """Each version's state on every rank (one collective), and why each that failed anywhere did:
+        such a version is dropped everywhere and its name refused until registered again."""
+        with self._lock:
+            failures = {v.key: self._failures[v.key] for v in versions if v.key in self._failures}
+        mine = [FAILED if v.key in failures else READY if self._in(v) else MISSING for v in versions]
+        states = dict(zip((v.key for v in versions), agree(mine, self.group), strict=True))
+        failed = [v for v in versions if states[v.key] == FAILED]
+        errors: dict[str, ValueError] = {}
+        if failed:
+            reasons = gather_reasons({k: str(e) for k, e in failures.items()}, self.group)
+            for v in failed:
+                errors[v.key] = failures.get(v.key) or ValueError(reasons.get(v.key, f"adapter {v.name!r} "
+                                                                                   f"({v.path}): its read failed"))
+                self.registry.fail(v, errors[v.key])
+                for s in self.stores.values():
+                    s.drop(v.key)
+                with self._lock:
+                    self._failures.pop(v.key, None)
+        return states, errors
+
+    def _in(self, v: Version) -> bool:
+        return all(s.get(v.key) is not None for s in self.stores.values())
+
+    def _activate(self, versions: list[Version], active: set[str]) -> torch.cuda.Event | None:
+        """versions copied into device slots, never taking one an active version holds; on CUDA on the
+        side stream, after the work already queued (the last forward may still read a slot)."""
+        if self._stream is None:
+            for v in versions:
+                self._copy_in(v, active)
+            return None
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        with torch.cuda.stream(self._stream):
+            for v in versions:
+                self._copy_in(v, active)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event
+
+    def _copy_in(self, v: Version, active: set[str]) -> None:
+        for n, pool in self.pools.items():
+            pool.activate(self.stores[n].get(v.key), keep=active)
+
+    def _slot(self, v: Version) -> int:
+        slots = {p.slot_of(v.key) for p in self.pools.values()}
+        if len(slots) != 1 or None in slots:
+            raise RuntimeError(f"adapter {v.key!r} is in slots {slots} of the nodes' pools")
+        return slots.pop()
+
+    def _collect(self) -> None:
+        """Drop every version no longer current that no running request uses, from host and device."""
+        keep = {v.key for v in self.registry.current()} | {v.key for v in self._pinned.values()}
+        for n, store in self.stores.items():
+            for key in store.held():
+                if key not in keep:
+                    store.drop(key)
+            for key in self.pools[n].resident():
+                if key is not None and key not in keep:
+                    self.pools[n].deactivate(key)
+
+    def _count_first_waits(self, waiting: Sequence[Request], wanted: dict[Hashable, Version]) -> None:
+        ids = {r.id for r in waiting}
+        fresh = [v for rid, v in wanted.items() if rid not in self._seen]
+        self._seen = (self._seen & ids) | set(wanted)
+        with self._lock:
+            for v in fresh:
+                if self._in(v):
+                    self._counters.host_hits += 1
+                else:
+                    self._counters.host_misses += 1
+
+    @property
+    def counters(self) -> Counters:
+        """A snapshot of what the manager has done so far."""
+        with self._lock:
+            return dataclasses.replace(self._counters)
+
+    def wait_for_reads(self) -> None:
+        """Block until every read under way has landed or failed: for tests, benchmarks and shutdown,
+        never for a step."""
+        while True:
+            with self._lock:
+                pending = list(self._reads.values())
+            if not pending:
+                return
+            wait(pending)
+
+    def close(self) -> None:
+        """Wait for reads under way and stop the workers."""
+        self._workers.shutdown(wait=True)

@@ -1,0 +1,67 @@
+"""The adapters a deployment serves: each name's current version, checked when it was registered."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Version:
+    """One adapter's weights: its name, the path they were checked at, and their digest, which roots
+    its requests' prefix-cache keys. A reload is a new version of the same name."""
+
+    name: str
+    path: str | os.PathLike[str]
+    digest: bytes
+
+    @property
+    def key(self) -> str:
+        """The name the host and device tiers hold this version under, apart from its other versions."""
+        return f"{self.name}@{self.digest.hex()[:16]}"
+
+
+class Registry:
+    """Each registered name's current version, and the names whose version failed to read.
+
+    Registering a name again makes a new version current (a reload); requests pinned to the old one
+    keep it. A failed name refuses new requests until it is registered again.
+    """
+
+    def __init__(self) -> None:
+        self._current: dict[str, Version] = {}
+        self._failed: dict[str, ValueError] = {}
+
+    def register(self, version: Version) -> bool:
+        """Make version its name's current one; True when that changes the weights served (a reload)."""
+        old = self._current.get(version.name)
+        self._current[version.name] = version
+        self._failed.pop(version.name, None)
+        return old is not None and old.digest != version.digest
+
+    def unregister(self, name: str) -> None:
+        self._current.pop(name, None)
+        self._failed.pop(name, None)
+
+    def resolve(self, name: str) -> Version | ValueError:
+        """The version a new request for name gets, or why it cannot have one."""
+        if name in self._failed:
+            return self._failed[name]
+        if name not in self._current:
+            return ValueError(f"adapter {name!r} is not registered")
+        return self._current[name]
+
+    def fail(self, version: Version, error: ValueError) -> None:
+        """version could not be read: new requests for its name are refused with error, if it is current."""
+        if self._current.get(version.name) == version:
+            self._failed[version.name] = error
+
+    def current(self) -> Iterator[Version]:
+        return iter(self._current.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._current
+
+    def __len__(self) -> int:
+        return len(self._current)

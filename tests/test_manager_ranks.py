@@ -1,0 +1,94 @@
+"""Ranks running the same scheduler through their managers admit and fail the same requests in every step,
+whatever order and pace their reads land in, and though one rank cannot read one adapter."""
+
+from __future__ import annotations
+
+import random
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tiny import make_adapter, model_config
+
+from mstar.engine.resources.lora import LoraAdapterStore, LoraDevicePool, specs_from_config
+from mstar.engine.resources.lora.manager import LoraManager, Request
+
+CONFIG = model_config("llama", num_attention_heads=4, num_key_value_heads=2)
+NAMES = ["a", "b", "c", "d", "e"]
+BROKEN = ("c", 1)  # this adapter's reads fail on this rank alone
+
+
+class UnevenDisk(LoraAdapterStore):
+    """Reads that take a random while, different on every rank, and one that fails on one rank."""
+
+    def read(self, name, path, digest=None):
+        time.sleep(self.rng.random() * 0.03)
+        if (name, self.rank) == BROKEN:
+            raise ValueError(f"adapter {name!r} ({path}): an I/O error on rank {self.rank}")
+        return super().read(name, path, digest)
+
+
+def scheduler(m: LoraManager, steps: int) -> list:
+    """The engine's scheduler, the same on every rank: arrivals, admissions, requests finishing."""
+    rng = random.Random(5)
+    queue: list[Request] = []
+    running: dict[int, list] = {}
+    log, next_id = [], 0
+    for t in range(steps):
+        for _ in range(rng.randint(0, 2)):
+            queue.append(Request(next_id, rng.choice([*NAMES, None])))
+            next_id += 1
+        step = m.step([r for r, _ in running.values()], queue)
+        names = {r.id: r.adapter for r in queue}
+        log.append((t, [(rid, names[rid], step.slot[rid]) for rid in step.admitted],
+                    {rid: str(e) for rid, e in step.failed.items()}))
+        for r in queue:
+            if r.id in step.admitted:
+                running[r.id] = [r, rng.randint(1, 4)]
+        queue = [r for r in queue if r.id not in step.admitted and r.id not in step.failed]
+        for rid in list(running):
+            running[rid][1] -= 1
+            if running[rid][1] == 0:
+                del running[rid]
+        time.sleep(0.004)  # the forward
+    return log
+
+
+def run_rank(rank: int, world_size: int, rendezvous: str, paths: dict, out: str) -> None:
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    spec = specs_from_config(CONFIG, max_rank=8, capacity=3)["language_model"]
+    store = UnevenDisk(spec, rank, world_size, pin=False)
+    store.rng = random.Random(100 + rank)
+    pool = LoraDevicePool(spec, 2, rank=rank, world_size=world_size)
+    m = LoraManager({"language_model": store}, {"language_model": pool}, group=dist.group.WORLD)
+    m.register_all(paths)
+    log = scheduler(m, 60)
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, log)
+    if rank == 0:
+        torch.save(everyone, out)
+    m.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_admit_and_fail_alike_in_every_step(tmp_path, world_size):
+    paths = {n: str(make_adapter(tmp_path, name=n, seed=i, config=CONFIG)[1]) for i, n in enumerate(NAMES)}
+    out = tmp_path / "log.pt"
+    ctx = mp.start_processes(run_rank, args=(world_size, f"file://{tmp_path}/rdv", paths, str(out)),
+                             nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        assert time.monotonic() < deadline, "a rank hung"
+    everyone = torch.load(out)
+    assert all(log == everyone[0] for log in everyone), "every rank decided the same in every step"
+    log = everyone[0]
+    failed = {rid: why for _, _, f in log for rid, why in f.items()}
+    admitted = [name for _, a, _ in log for _, name, _ in a]
+    assert failed and all("adapter 'c'" in why and "an I/O error on rank 1" in why for why in failed.values()), \
+        "every rank fails c's requests with the failing rank's reason"
+    assert "c" not in admitted and len([n for n in admitted if n]) > 20, "the other adapters kept being served"
