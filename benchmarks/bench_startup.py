@@ -24,7 +24,7 @@ from pathlib import Path
 import blake3
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import status_kb, verdict
+from common import settle_writes, status_kb, verdict
 
 from mstar.engine.resources.lora import check_adapters, specs_from_config
 from mstar.engine.resources.lora.tools.samples import DECODER_MODULES, sample_modules, write_peft_adapter
@@ -62,6 +62,7 @@ def main() -> None:
     atexit.register(shutil.rmtree, root, True)
     t = time.perf_counter()
     paths = write(root, n)
+    settle_writes()
     files = [Path(p) / "adapter_model.safetensors" for p in paths.values()]
     total = sum(f.stat().st_size for f in files)
     print(f"{n} adapters in {len(RECIPES)} recipes, {total / 1e9:.2f} GB, written in {time.perf_counter() - t:.0f} s; "

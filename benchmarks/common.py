@@ -25,7 +25,14 @@ def write_adapters(root: Path) -> tuple[Path, Path]:
     large = write_peft_adapter(root / "large", sample_modules(spec, 16, dtype=torch.bfloat16), alpha=32)
     small = write_peft_adapter(root / "small", sample_modules(spec, 6, dtype=torch.bfloat16, layers=range(1)),
                                alpha=12)
+    settle_writes()
     return large, small
+
+
+def settle_writes() -> None:
+    """Files just written are flushed before anything is timed: their writeback would otherwise run,
+    disk and CPU, beside the first measurements (it made reads of 16.8 MB take 27 ms, not 3)."""
+    os.sync()
 
 
 def side_by_side(fns: dict[str, Callable[[], object]], repeat: int = 11) -> dict[str, float]:

@@ -239,3 +239,20 @@ def test_a_new_adapter_never_takes_the_slot_of_a_running_one(adapters):
     step = settle(m, running, [Request(3, "c")])  # b's request is done: c takes b's slot, not a's
     assert step.admitted == [3] and step.slot[1] != step.slot[3]
     assert m.pools["language_model"].resident()[step.slot[1]].startswith("a@")
+
+
+def test_a_request_heard_of_during_the_forward_is_admitted_at_the_next_step(adapters):
+    m = manager()
+    m.register("a", adapters["a"])
+    m.prefetch([Request(1, "a")])  # the engine hears of it while the forward runs
+    m.wait_for_reads()  # the forward takes longer than the read
+    assert m.step([], [Request(1, "a")]).admitted == [1]
+    assert (m.counters.host_hits, m.counters.host_misses) == (1, 0)
+
+
+def test_a_request_for_an_adapter_the_batch_runs_is_admitted_at_once(adapters):
+    m = manager()
+    m.register("a", adapters["a"])
+    assert serve(m, [Request(1, "a")])[0] == [1]
+    step = m.step([Request(1, "a")], [Request(2, "a")])
+    assert step.admitted == [2] and step.slot[2] == step.slot[1]

@@ -41,6 +41,7 @@ def test_reactivating_a_resident_adapter_copies_nothing(adapters):
     first = pool.activate(ads["attn"])
     copies = pool.copies
     assert copies == 2, "attn touches qkv_proj and o_proj"
+    assert pool.fills == 0, "a slot never written holds no weights to clear"
     assert pool.activate(ads["attn"]) == first and pool.copies == copies
 
 

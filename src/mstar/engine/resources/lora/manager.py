@@ -154,6 +154,7 @@ class LoraManager:
         prefetched = self._hold(batch, list(dict.fromkeys(wanted.values())))
         self._count_first_waits(waiting, wanted)
         states, errors = self._agree(prefetched)
+        states.update((v.key, READY) for v in batch)  # admitted once in everywhere, and kept since
         active, activate = {v.key for v in batch}, []
         for r in waiting:
             v = wanted.get(r.id)
@@ -172,8 +173,9 @@ class LoraManager:
                 pins[r.id] = v
         out.ready = self._activate(activate, active)
         settled = set(out.admitted) | set(out.failed)
+        slots = {v: self._slot(v) for v in set(pins.values()) if v is not None}
         for rid, v in pins.items():
-            out.slot[rid] = -1 if v is None else self._slot(v)
+            out.slot[rid] = -1 if v is None else slots[v]
             out.digest[rid] = None if v is None else v.digest
         self._pinned = {rid: v for rid, v in pins.items() if v is not None}
         self._collect()
@@ -183,6 +185,14 @@ class LoraManager:
             c.waiting_on_adapter = sum(1 for r in waiting if r.id not in settled)
             c.device_copies = sum(p.copies for p in self.pools.values())
         return out
+
+    def prefetch(self, waiting: Sequence[Request]) -> None:
+        """Hold the queue's adapters and start their reads as step would, admitting nothing: for an engine
+        that hears of requests while the forward runs. Every rank calls it alike, as it calls step."""
+        batch = list(dict.fromkeys(self._pinned.values()))
+        queue = [v for r in waiting if r.adapter is not None
+                 for v in [self.registry.resolve(r.adapter)] if not isinstance(v, ValueError)]
+        self._hold(batch, list(dict.fromkeys(queue)))
 
     def _pins(self, running: Sequence[Request]) -> dict[Hashable, Version | None]:
         """The version each running request was admitted with (a reload does not move it)."""
@@ -199,7 +209,7 @@ class LoraManager:
     def _hold(self, batch: list[Version], queue: list[Version]) -> list[Version]:
         """Hold the batch's versions, then the queue's in order while the host tier has room for them
         beside the batch; start a read for each one newly held. The queue's versions held, in order."""
-        keep = [v.key for v in batch]
+        keep = {v.key for v in batch}
         for v in batch:
             self._hold_one(v, keep)
         held = []
@@ -208,15 +218,16 @@ class LoraManager:
                 continue
             if len(keep) >= self.capacity:
                 break
-            keep.append(v.key)
+            keep.add(v.key)
             self._hold_one(v, keep)
             held.append(v)
         return held
 
-    def _hold_one(self, v: Version, keep: list[str]) -> None:
-        before = {n: set(s.held()) for n, s in self.stores.items()}
+    def _hold_one(self, v: Version, keep: set[str]) -> None:
+        store = next(iter(self.stores.values()))  # every node's store holds the same names
+        before = len(store)
         new = [s.hold(v.key, keep) for s in self.stores.values()]
-        gone = max(len(before[n] - set(s.held())) for n, s in self.stores.items())
+        gone = before + new[0] - len(store)
         with self._lock:
             self._counters.evictions += gone
             if any(new) and v.key not in self._reads:
@@ -295,14 +306,16 @@ class LoraManager:
 
     def _collect(self) -> None:
         """Drop every version no longer current that no running request uses, from host and device."""
-        keep = {v.key for v in self.registry.current()} | {v.key for v in self._pinned.values()}
+        pinned = {v.key for v in self._pinned.values()}
+
+        def stale(key: str | None) -> bool:
+            return key is not None and not self.registry.is_current(key) and key not in pinned
+
         for n, store in self.stores.items():
-            for key in store.held():
-                if key not in keep:
-                    store.drop(key)
-            for key in self.pools[n].resident():
-                if key is not None and key not in keep:
-                    self.pools[n].deactivate(key)
+            for key in filter(stale, store.held()):
+                store.drop(key)
+            for key in filter(stale, self.pools[n].resident()):
+                self.pools[n].deactivate(key)
 
     def _count_first_waits(self, waiting: Sequence[Request], wanted: dict[Hashable, Version]) -> None:
         ids = {r.id for r in waiting}

@@ -44,6 +44,7 @@ class LoraDevicePool:
         self.scaling = torch.zeros(slots, dtype=torch.float32, device=self.device)
         self._names: list[str | None] = [None] * slots
         self._versions: list[object] = [None] * slots
+        self._written: list[set[str]] = [set() for _ in range(slots)]  # targets each slot has weights in
         self._recent: OrderedDict[int, None] = OrderedDict((k, None) for k in range(slots))
         self._in_flight: list[tuple[torch.cuda.Event, LoadedAdapter]] = []
         self.copies = 0
@@ -67,8 +68,8 @@ class LoraDevicePool:
 
     def activate(self, adapter: LoadedAdapter, keep: Iterable[str] = ()) -> int:
         """The slot holding adapter, copying it in (one copy per target it has, one fill per target it
-        lacks) unless it is already there. keep names the adapters the running batch uses, whose
-        slots are never taken."""
+        lacks where the slot's last adapter had weights) unless it is already there. keep names the
+        adapters the running batch uses, whose slots are never taken."""
         slot = self.slot_of(adapter.name)
         if slot is not None and self._versions[slot] == adapter.version:
             self._recent.move_to_end(slot)
@@ -78,9 +79,10 @@ class LoraDevicePool:
         self._check(adapter)
         asynchronous = False
         for name, slab in self.slabs.items():
-            if name not in adapter.a:  # no weights of the last adapter may leak into this one
-                slab[slot].zero_()
-                self.fills += 1
+            if name not in adapter.a:
+                if name in self._written[slot]:  # no weights of the last adapter may leak into this one
+                    slab[slot].zero_()
+                    self.fills += 1
                 continue
             block = adapter.blocks.get(name)
             pairs = [(slab[slot, : block.numel()], block)] if block is not None else \
@@ -90,6 +92,7 @@ class LoraDevicePool:
                 asynchronous |= self.device.type == "cuda" and src.is_pinned()
                 self.copies += 1
                 self.bytes_moved += src.numel() * src.element_size()
+        self._written[slot] = set(adapter.a)
         self._hold_until_copied(adapter if asynchronous else None)
         self.scaling[slot] = adapter.scaling
         self._names[slot], self._versions[slot] = adapter.name, adapter.version

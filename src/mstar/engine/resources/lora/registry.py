@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -16,10 +17,13 @@ class Version:
     path: str | os.PathLike[str]
     digest: bytes
 
-    @property
+    @cached_property
     def key(self) -> str:
         """The name the host and device tiers hold this version under, apart from its other versions."""
         return f"{self.name}@{self.digest.hex()[:16]}"
+
+    def __hash__(self) -> int:  # a step hashes thousands: the key is hashed once, as a str caches it
+        return hash(self.key)
 
 
 class Registry:
@@ -31,18 +35,26 @@ class Registry:
 
     def __init__(self) -> None:
         self._current: dict[str, Version] = {}
+        self._keys: set[str] = set()  # the current versions' keys
         self._failed: dict[str, ValueError] = {}
 
     def register(self, version: Version) -> bool:
         """Make version its name's current one; True when that changes the weights served (a reload)."""
         old = self._current.get(version.name)
+        self.unregister(version.name)
         self._current[version.name] = version
-        self._failed.pop(version.name, None)
+        self._keys.add(version.key)
         return old is not None and old.digest != version.digest
 
     def unregister(self, name: str) -> None:
-        self._current.pop(name, None)
+        old = self._current.pop(name, None)
+        if old is not None:
+            self._keys.discard(old.key)
         self._failed.pop(name, None)
+
+    def is_current(self, key: str) -> bool:
+        """Whether key is some name's current version."""
+        return key in self._keys
 
     def resolve(self, name: str) -> Version | ValueError:
         """The version a new request for name gets, or why it cannot have one."""

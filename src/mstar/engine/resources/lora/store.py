@@ -118,15 +118,16 @@ class LoraAdapterStore:
         """Make name the most recent adapter held, dropping the least recent past capacity, but
         none named in keep (which may hold the tier past capacity for a while). True when it was
         not held, so its copy is the caller's to read in."""
-        keep = set(keep)
         with self._lock:
             new = name not in self._held
             if new:
                 self._held[name] = None
             self._held.move_to_end(name)
             over = len(self._held) - self.spec.capacity
-            for old in [n for n in self._held if n != name and n not in keep][: max(over, 0)]:
-                del self._held[old]
+            if over > 0:
+                keep = keep if isinstance(keep, (set, frozenset)) else set(keep)
+                for old in [n for n in self._held if n != name and n not in keep][:over]:
+                    del self._held[old]
             return new
 
     def drop(self, name: str) -> None:
