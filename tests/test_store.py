@@ -194,12 +194,12 @@ def test_views_of_the_mapped_file_stay_valid_after_the_mapping_is_left(adapter_p
     from safetensors.torch import load_file
 
     from mstar.engine.resources.lora.checkpoint import open_checkpoint
-    from mstar.engine.resources.lora.reader import tensor_at
-
     ckpt = open_checkpoint(adapter_path)
     key, entry = next(iter(ckpt.header.tensors.items()))
-    view = tensor_at(ckpt.mapping(), entry)
-    assert torch.equal(view.reshape(entry.shape), load_file(ckpt.weights)[key])
+    view = ckpt.tensor(entry)
+    weights = ckpt.weights
+    del ckpt  # and with it the mapping
+    assert torch.equal(view.reshape(entry.shape), load_file(weights)[key])
 
 
 def test_a_buffer_is_reused_only_once_nothing_views_it_and_comes_back_clean(tmp_path):

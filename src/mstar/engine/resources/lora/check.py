@@ -9,9 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 from operator import attrgetter
 from typing import Any
 
+import torch
+
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import HASH_ON_EVERY_CORE, adapter_digest
 from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
+from .memory import tensor_checkpoint
 from .spec import AdapterInfo, LoraSpec, as_linear
 
 # Modules whose LoRA changes the vocabulary side of the model, which the pool does not serve.
@@ -175,7 +178,19 @@ def check_adapter_file(
     returns its digest. The digest is read once per way the specs convert the checkpoint
     (convert_keys), so once for specs that read it alike. Raises ValueError for an adapter the
     deployment cannot serve."""
-    ckpt = open_checkpoint(path, name)
+    return check_checkpoint(spec, open_checkpoint(path, name), others, hash_threads=hash_threads)
+
+
+def check_adapter_tensors(spec: LoraSpec, name: str, tensors: Mapping[str, torch.Tensor], config: Any = None,
+                          others: Sequence[LoraSpec] = ()) -> bytes:
+    """check_adapter_file for an adapter pushed from memory (memory.tensor_checkpoint says what it takes);
+    its digest is the one the same weights saved as a file would have."""
+    return check_checkpoint(spec, tensor_checkpoint(name, tensors, config), others)
+
+
+def check_checkpoint(spec: LoraSpec, ckpt: Checkpoint, others: Sequence[LoraSpec] = (), *,
+                     hash_threads: int = HASH_ON_EVERY_CORE) -> bytes:
+    """check_adapter_file for a checkpoint already open."""
     if not ckpt.header.tensors:  # serving it would be the base model under an adapter's name
         raise ckpt.refusal(["it holds no weights"])
     specs = (spec, *others)

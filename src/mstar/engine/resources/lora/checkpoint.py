@@ -7,16 +7,18 @@ import math
 import mmap
 import os
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
+from . import hub
 from .adapter_config import AdapterConfig, parse_config, read_config
 from .keys import PEFT_PREFIX, ConvertKeys, ModuleKeys, group_keys
 from .safetensors_header import FLOAT_DTYPES, Header, TensorEntry, read_header
+from .spec import as_linear
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
@@ -68,16 +70,34 @@ class Checkpoint:
 
     config is the one LoRA config that gives rank and alpha, whatever its source: adapter_config.json,
     else the LoraConfig diffusers writes into the file's metadata, else None (a trainer's file, whose
-    alphas, if any, are tensors of their own).
+    alphas, if any, are tensors of their own). An adapter pushed from memory has its tensors here
+    (memory.py), its header describing them as a file would, and weights naming where it came from.
     """
 
     name: str
     weights: Path
     header: Header
     config: AdapterConfig | None
+    tensors: Mapping[str, torch.Tensor] | None = None
 
     def refusal(self, reasons: Iterable[str]) -> ValueError:
         return refusal(self.name, self.weights, reasons)
+
+    def tensor(self, e: TensorEntry) -> torch.Tensor:
+        """The tensor e describes, as a linear's [rows, columns]: the pushed one, or a view of the mapped
+        file (read when used)."""
+        if self.tensors is not None:
+            return self.tensors[self._keys[e.start]].detach().reshape(as_linear(e.shape))
+        count = math.prod(e.shape)
+        return torch.frombuffer(self._mapped, dtype=e.torch_dtype, count=count, offset=e.start).view(as_linear(e.shape))
+
+    @cached_property
+    def _keys(self) -> dict[int, str]:
+        return {e.start: key for key, e in self.header.tensors.items()}
+
+    @cached_property
+    def _mapped(self) -> mmap.mmap:
+        return self.mapping()
 
     def mapping(self) -> mmap.mmap:
         """The weights file mapped copy-on-write: writable for torch.frombuffer, never written back.
@@ -144,15 +164,12 @@ class Checkpoint:
         if key not in self.header.memo:
             modules = self.modules(convert_keys).items()
             self.header.memo[key] = {m: keys.roles["alpha"] for m, keys in modules if "alpha" in keys.roles}
-        entries = self.header.memo[key]
         out: dict[str, float] = {}
-        if entries:
-            with open(self.weights, "rb") as f:
-                for module, e in entries.items():
-                    try:
-                        out[module] = read_scalar(f, e)
-                    except ValueError as err:
-                        raise self.refusal([f"module {module}: {err}"]) from None
+        for module, e in self.header.memo[key].items():
+            try:
+                out[module] = alpha_value(e, self.tensor(e))
+            except ValueError as err:
+                raise self.refusal([f"module {module}: {err}"]) from None
         return out
 
     @cached_property
@@ -160,12 +177,11 @@ class Checkpoint:
         return {}
 
 
-def read_scalar(f, e: TensorEntry) -> float:
-    """The value of a one-element float tensor (a trainer's alpha), read alone."""
+def alpha_value(e: TensorEntry, tensor: torch.Tensor) -> float:
+    """The value of a one-element float tensor (a trainer's alpha)."""
     if e.dtype not in FLOAT_DTYPES or math.prod(e.shape) != 1:
         raise ValueError(f"an alpha must be one float, not {e.dtype} {list(e.shape)}")
-    f.seek(e.start)
-    value = torch.frombuffer(bytearray(f.read(e.nbytes)), dtype=e.torch_dtype).item()
+    value = tensor.item()
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"alpha {value} is not a finite, non-negative number")
     return value
@@ -183,7 +199,7 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
     """The checkpoint at path with its header and config checked; ValueError naming adapter and file."""
     name = name or default_name(path)
     try:
-        weights, config_path = locate_files(path)
+        weights, config_path = locate_files(hub.resolve(path))
     except ValueError as e:
         raise refusal(name, path, [str(e)]) from None
     try:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 from collections.abc import Iterator
 
 import blake3
+import torch
 
 from .checkpoint import Checkpoint
 from .keys import ConvertKeys
@@ -25,7 +27,9 @@ def adapter_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, mm: mmap.m
     So it is the same on every node, rank and world size whatever the file's tensor order, and
     changes with any served byte or scaling.
     """
-    data = data_digest(checkpoint, convert_keys, checkpoint.mapping() if mm is None else mm, threads)
+    if mm is None and checkpoint.tensors is None:
+        mm = checkpoint.mapping()
+    data = data_digest(checkpoint, convert_keys, mm, threads)
     head = manifest(checkpoint, convert_keys)
     return blake3.blake3(DOMAIN + len(head).to_bytes(8, "little") + head + data).digest()
 
@@ -43,22 +47,36 @@ def manifest(checkpoint: Checkpoint, convert_keys: ConvertKeys) -> bytes:
     return checkpoint.header.memo[key]
 
 
-def data_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, mm: mmap.mmap,
+def data_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, mm: mmap.mmap | None,
                 threads: int = HASH_ON_EVERY_CORE) -> bytes:
     """The BLAKE3 of the tensors' bytes in name order. Runs that lie in the file in that order (all
-    of them, for a file safetensors wrote) are hashed as one range, on threads cores, GIL released."""
-    key = ("byte runs", convert_keys)
+    of them, for a file safetensors wrote) are hashed as one range, on threads cores, GIL released;
+    pushed tensors are hashed one by one, from their own memory."""
+    key = ("hash order", convert_keys)
     if key not in checkpoint.header.memo:
         modules = sorted(checkpoint.modules(convert_keys).items())
-        checkpoint.header.memo[key] = list(_runs([e for _, keys in modules for _, e in sorted(keys.roles.items())]))
+        order = [e for _, keys in modules for _, e in sorted(keys.roles.items())]
+        checkpoint.header.memo[key] = order, list(_runs(order))
+    order, runs = checkpoint.header.memo[key]
     h = blake3.blake3(max_threads=threads)
+    if checkpoint.tensors is not None:
+        for e in order:
+            _update(h, checkpoint.tensor(e))
+        return h.digest()
     view = memoryview(mm)
     try:
-        for start, stop in checkpoint.header.memo[key]:
+        for start, stop in runs:
             h.update(view[start:stop])
     finally:
         view.release()
     return h.digest()
+
+
+def _update(h: blake3.blake3, t: torch.Tensor) -> None:
+    """h fed t's bytes as a file holds them: straight from its memory where it is a contiguous CPU tensor."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.contiguous().cpu()
+    h.update(memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B"))
 
 
 def _runs(tensors: list[TensorEntry]) -> Iterator[tuple[int, int]]:

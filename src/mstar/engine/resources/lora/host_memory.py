@@ -51,6 +51,14 @@ class HostBuffers:
             self._maps.append(mm)
             return buf, True
 
+    def trim(self, spare: int) -> None:
+        """Unmap the buffers no tensor views but spare of them (unpinning each first), so memory goes
+        back to the system once the adapters using it are gone."""
+        with self._lock:
+            unviewed = [i for i in range(len(self._maps)) if self._unviewed(i)]
+            for i in reversed(unviewed[spare:]):
+                self._discard(i)
+
     @property
     def nbytes(self) -> int:
         """Every buffer mapped, viewed or spare."""

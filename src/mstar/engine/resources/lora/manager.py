@@ -22,8 +22,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .check import check_adapter_file, check_all
+from . import hub
+from .check import check_all, check_checkpoint
+from .checkpoint import Checkpoint, open_checkpoint
+from .memory import tensor_checkpoint
 from .models import specs_from_config
+from .plan import host_bytes
 from .pool import LoraDevicePool
 from .ranks import FAILED, MISSING, READY, agree, gather_reasons, same_everywhere
 from .registry import Registry, Version
@@ -99,29 +103,54 @@ class LoraManager:
     @classmethod
     def build(cls, config: Any, *, max_rank: int, host_capacity: int, slots: int, device: str | torch.device = "cpu",
               rank: int = 0, world_size: int = 1, group: dist.ProcessGroup | None = None,
-              dtype: torch.dtype = torch.bfloat16, pin: bool | None = None, read_workers: int = 4) -> LoraManager:
-        """A manager with a store and a pool for every node of the model config describes."""
+              dtype: torch.dtype = torch.bfloat16, pin: bool | None = None, read_workers: int = 4,
+              host_bytes: int | None = None) -> LoraManager:
+        """A manager with a store and a pool for every node of the model config describes; host_bytes,
+        if given, is each store's byte budget beside its count."""
         specs = specs_from_config(config, max_rank=max_rank, capacity=host_capacity, dtype=dtype)
-        stores = {n: LoraAdapterStore(s, rank, world_size, pin=pin) for n, s in specs.items()}
+        stores = {n: LoraAdapterStore(s, rank, world_size, pin=pin, max_bytes=host_bytes) for n, s in specs.items()}
         pools = {n: LoraDevicePool(s, slots, device, rank, world_size) for n, s in specs.items()}
         return cls(stores, pools, group=group, read_workers=read_workers)
 
     # --- registration: a call every rank makes -------------------------------------------
 
     def register(self, name: str, path: str | os.PathLike[str]) -> Version:
-        """name checked at path against every node's spec and made current: requests admitted from now
-        on get these weights under their digest; running ones keep theirs. Registering a name again
-        with other weights is a reload; registering a failed name again retries it."""
+        """name checked at path (or Hub id org/repo[@revision], pinned to its commit here) against every
+        node's spec and made current: requests admitted from now on get these weights under their
+        digest; running ones keep theirs. Registering a name again with other weights is a reload;
+        registering a failed name again retries it."""
+        try:
+            path = hub.resolve(path)
+        except ValueError as e:
+            raise ValueError(f"adapter {name!r} ({path}): {e}") from None
+        ckpt = open_checkpoint(path, name)
         specs = [s.spec for s in self.stores.values()]
-        digest = check_adapter_file(specs[0], name, path, specs[1:])
-        return self._register(Version(name, path, digest))
+        digest = check_checkpoint(specs[0], ckpt, specs[1:])
+        return self._register(Version(name, path, digest, nbytes=self._sizes(ckpt)))
+
+    def push(self, name: str, tensors: Mapping[str, torch.Tensor], config: Any = None) -> Version:
+        """register for weights in memory (a trainer's new LoRA weights, say): checked, digested as the
+        same weights saved as a file would be, and served as a new version of name, never half-visible.
+        The tensors are read, never written; the manager keeps them to read again after an eviction,
+        and refuses them if they change meanwhile (push again instead)."""
+        ckpt = tensor_checkpoint(name, tensors, config)
+        specs = [s.spec for s in self.stores.values()]
+        digest = check_checkpoint(specs[0], ckpt, specs[1:])
+        return self._register(Version(name, None, digest, dict(tensors), config, self._sizes(ckpt)))
 
     def register_all(self, adapters: Mapping[str, str | os.PathLike[str]]) -> dict[str, Version]:
         """The serving config at startup: every adapter checked (on every core), raising naming every
         one that cannot be served before any is registered."""
         specs = [s.spec for s in self.stores.values()]
         digests = check_all(specs[0], adapters, specs[1:])
-        return {name: self._register(Version(name, adapters[name], d)) for name, d in digests.items()}
+        versions = {}
+        for name, digest in digests.items():
+            path = hub.resolve(adapters[name])  # as the check found it: one commit for a Hub id
+            versions[name] = self._register(Version(name, path, digest, nbytes=self._sizes(open_checkpoint(path))))
+        return versions
+
+    def _sizes(self, ckpt: Checkpoint) -> dict[str, int]:
+        return {n: host_bytes(ckpt, s.layout) for n, s in self.stores.items()}
 
     def _register(self, version: Version) -> Version:
         seen = same_everywhere(version.digest, self.group)
@@ -179,6 +208,8 @@ class LoraManager:
             out.digest[rid] = None if v is None else v.digest
         self._pinned = {rid: v for rid, v in pins.items() if v is not None}
         self._collect()
+        for store in self.stores.values():
+            store.trim()
         with self._lock:
             c = self._counters
             c.failed_requests += len(out.failed)
@@ -210,15 +241,19 @@ class LoraManager:
         """Hold the batch's versions, then the queue's in order while the host tier has room for them
         beside the batch; start a read for each one newly held. The queue's versions held, in order."""
         keep = {v.key for v in batch}
+        used = {n: sum(v.nbytes[n] for v in batch) for n in self.stores}
         for v in batch:
             self._hold_one(v, keep)
         held = []
         for v in queue:
             if v.key in keep:
                 continue
-            if len(keep) >= self.capacity:
+            fits = all(s.max_bytes is None or used[n] + v.nbytes[n] <= s.max_bytes for n, s in self.stores.items())
+            if len(keep) >= self.capacity or not fits:
                 break
             keep.add(v.key)
+            for n in used:
+                used[n] += v.nbytes[n]
             self._hold_one(v, keep)
             held.append(v)
         return held
@@ -226,7 +261,7 @@ class LoraManager:
     def _hold_one(self, v: Version, keep: set[str]) -> None:
         store = next(iter(self.stores.values()))  # every node's store holds the same names
         before = len(store)
-        new = [s.hold(v.key, keep) for s in self.stores.values()]
+        new = [s.hold(v.key, keep, v.nbytes[n]) for n, s in self.stores.items()]
         gone = before + new[0] - len(store)
         with self._lock:
             self._counters.evictions += gone
@@ -238,7 +273,8 @@ class LoraManager:
         """v read for every node and put, or its failure recorded: on a worker, outside every lock."""
         start = time.perf_counter()
         try:
-            copies = {n: s.read(v.name, v.path, v.digest) for n, s in self.stores.items()}
+            copies = {n: s.read(v.name, v.path, v.digest) if v.tensors is None else
+                      s.read_tensors(v.name, v.tensors, v.config, v.digest) for n, s in self.stores.items()}
         except Exception as e:  # a read's refusal is a ValueError naming adapter and file; anything else is wrapped
             error = e if isinstance(e, ValueError) else ValueError(f"adapter {v.name!r} ({v.path}): {e!r}")
             with self._lock:

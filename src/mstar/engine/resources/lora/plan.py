@@ -101,6 +101,12 @@ def plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
     return memo[key]
 
 
+def host_bytes(ckpt: Checkpoint, layout: SlotLayout) -> int:
+    """The bytes the adapter's copy takes in a host tier laid out by layout, from its header alone: the
+    same on every rank of a world size, so a byte budget decides alike everywhere."""
+    return layout.nbytes(plan(ckpt, layout).targets)
+
+
 def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
     spec = layout.spec
     placed = []

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import mmap
 import os
 from collections import deque
 from collections.abc import Callable
@@ -21,7 +20,6 @@ from .checkpoint import Checkpoint
 from .host_memory import HostBuffers
 from .layout import SlotLayout
 from .plan import Batch, Piece, Plan, Read, plan
-from .safetensors_header import TensorEntry
 from .spec import as_linear
 
 READ_THREADS = min(4, os.cpu_count() or 1)
@@ -47,10 +45,12 @@ def read_layout(ckpt: Checkpoint, layout: SlotLayout, buffers: HostBuffers, stag
     views = {name: layout.targets[name].split(block) for name, block in blocks.items()}
     if not fresh:
         _zero_padding(p, blocks, views, layout.spec.max_rank)
+    if ckpt.tensors is not None:
+        _copy_pushed(ckpt, p, views, ratios)
+        return p.rank, blocks
     stage = staging.take(p.staging)[0] if p.staging else torch.empty(0, dtype=torch.uint8)
-    mm = ckpt.mapping() if p.mapped else None
     _read(ckpt, [(buf[p.skew :], p.batches), (stage, p.staged_batches)],
-          lambda: [_copy_piece(views, q, tensor_at(mm, q.entry)[q.rows[0] : q.rows[1]]) for q in p.mapped])
+          lambda: [_copy_piece(views, q, ckpt.tensor(q.entry)[q.rows[0] : q.rows[1]]) for q in p.mapped])
     for d in p.dense:
         b = views[d.target][1]
         shape = (*b.shape[:-1], d.rank)
@@ -65,6 +65,16 @@ def read_layout(ckpt: Checkpoint, layout: SlotLayout, buffers: HostBuffers, stag
             if r.piece.role == "B" and r.piece.module in ratios:
                 _fold(views, r.piece, None, ratios[r.piece.module])
     return p.rank, blocks
+
+
+def _copy_pushed(ckpt: Checkpoint, p: Plan, views: Views, ratios: dict[str, float]) -> None:
+    """Every piece copied from the pushed tensors, which are read and never written."""
+    for q in (*(r.piece for r in p.direct), *(r.piece for r in p.staged), *p.mapped):
+        rows = ckpt.tensor(q.entry)[q.rows[0] : q.rows[1]]
+        if q.role == "B" and q.module in ratios:
+            _fold(views, q, rows, ratios[q.module])
+        else:
+            _copy_piece(views, q, rows)
 
 
 def _zero_padding(p: Plan, blocks: dict[str, torch.Tensor], views: Views, R: int) -> None:
@@ -161,11 +171,3 @@ def _preadv_all(ckpt: Checkpoint, fd: int, views: list[memoryview], at: int) -> 
             got -= len(views.pop(0))
         if got:
             views[0] = views[0][got:]
-
-
-def tensor_at(mm: mmap.mmap, e: TensorEntry) -> torch.Tensor:
-    """The tensor e describes as a linear's [rows, columns], a view of the mapped file (read when used)."""
-    count = 1
-    for d in e.shape:
-        count *= d
-    return torch.frombuffer(mm, dtype=e.torch_dtype, count=count, offset=e.start).view(as_linear(e.shape))

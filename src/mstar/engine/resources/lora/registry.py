@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Version:
-    """One adapter's weights: its name, the path they were checked at, and their digest, which roots
-    its requests' prefix-cache keys. A reload is a new version of the same name."""
+    """One adapter's weights: its name, where they were checked (a path, pinned to a commit for a Hub
+    id; or the tensors pushed, with their config), and their digest, which roots its requests'
+    prefix-cache keys. A reload is a new version of the same name."""
 
     name: str
-    path: str | os.PathLike[str]
+    path: str | os.PathLike[str] | None
     digest: bytes
+    tensors: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    config: Any = field(default=None, compare=False, repr=False)
+    nbytes: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)  # host bytes per node
 
     @cached_property
     def key(self) -> str:

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,10 +27,11 @@ from .check import (
     misfit,
     refuse_misfits,
 )
-from .checkpoint import open_checkpoint
+from .checkpoint import Checkpoint, open_checkpoint
 from .digest import adapter_digest
 from .host_memory import HostBuffers
 from .layout import SlotLayout
+from .memory import tensor_checkpoint
 from .reader import read_layout
 from .spec import LoraSpec
 
@@ -100,13 +102,16 @@ class LoraAdapterStore:
         world_size: int = 1,
         pin: bool | None = None,
         dtype: torch.dtype | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         if pin and not torch.cuda.is_available():
             raise ValueError("pin=True page-locks host memory for CUDA, and CUDA is not available")
         self.layout = SlotLayout(spec, rank, world_size, dtype or spec.dtype)
         self.spec, self.rank, self.world_size, self.dtype = spec, rank, world_size, self.layout.dtype
         self.pin = torch.cuda.is_available() if pin is None else pin
+        self.max_bytes = max_bytes
         self._held: OrderedDict[str, LoadedAdapter | None] = OrderedDict()
+        self._sizes: dict[str, int] = {}  # what each held name takes, as its hold said
         self._reading: dict[str, tuple[bytes | None, Future[LoadedAdapter]]] = {}  # name -> (digest, read)
         self._buffers = HostBuffers(self.pin)
         self._staging = HostBuffers(pin=False, spare=1)  # what reads pass through, never pinned
@@ -114,25 +119,51 @@ class LoraAdapterStore:
 
     # --- what is held: hold and drop alone decide it -------------------------------------
 
-    def hold(self, name: str, keep: Iterable[str] = ()) -> bool:
+    def hold(self, name: str, keep: Iterable[str] = (), nbytes: int = 0) -> bool:
         """Make name the most recent adapter held, dropping the least recent past capacity, but
         none named in keep (which may hold the tier past capacity for a while). True when it was
-        not held, so its copy is the caller's to read in."""
+        not held, so its copy is the caller's to read in.
+
+        With a byte budget (max_bytes), nbytes is what name's copy takes (host_bytes, known from its
+        check and the same on every rank), and the least recent are dropped too while the bytes held
+        exceed the budget: still from the hold calls alone, never from what has been read.
+        """
         with self._lock:
             new = name not in self._held
             if new:
                 self._held[name] = None
             self._held.move_to_end(name)
+            self._sizes[name] = nbytes
             over = len(self._held) - self.spec.capacity
-            if over > 0:
+            excess = sum(self._sizes.values()) - self.max_bytes if self.max_bytes is not None else 0
+            if over > 0 or excess > 0:
                 keep = keep if isinstance(keep, (set, frozenset)) else set(keep)
-                for old in [n for n in self._held if n != name and n not in keep][:over]:
+                for old in [n for n in self._held if n != name and n not in keep]:
+                    if over <= 0 and excess <= 0:
+                        break
                     del self._held[old]
+                    over, excess = over - 1, excess - self._sizes.pop(old)
             return new
 
     def drop(self, name: str) -> None:
         with self._lock:
             self._held.pop(name, None)
+            self._sizes.pop(name, None)
+        self.trim()
+
+    def trim(self) -> None:
+        """Give back the memory of copies no longer used: host buffers no tensor views are unmapped
+        (and unpinned), but for two kept for the next reads while the store holds anything. The store
+        does this at every drop; an engine calls it when it lets go of adapters it took with get."""
+        spare = 2 if len(self) else 0
+        self._buffers.trim(spare)
+        self._staging.trim(min(spare, 1))
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes the held names take, as their holds said (copies in or not)."""
+        with self._lock:
+            return sum(self._sizes.values())
 
     def put(self, adapter: LoadedAdapter) -> bool:
         """adapter's copy, kept if it is still held."""
@@ -181,7 +212,16 @@ class LoraAdapterStore:
         serving it would put other weights under the same prefix-cache root, or different weights
         on different ranks."""
         # Checked again, not trusted from startup: the file may have changed since.
-        ckpt = open_checkpoint(path, name)
+        return self._read(open_checkpoint(path, name), digest)
+
+    def read_tensors(self, name: str, tensors: Mapping[str, torch.Tensor], config: Any = None,
+                     digest: bytes | None = None) -> LoadedAdapter:
+        """read for an adapter pushed from memory: a state dict in any layout the spec reads, with its
+        config (adapter_config.json's fields, or a peft LoraConfig) unless its tensors carry alphas.
+        The tensors are read, never written, so the copy rebuilt after an eviction is the first one."""
+        return self._read(tensor_checkpoint(name, tensors, config), digest)
+
+    def _read(self, ckpt: Checkpoint, digest: bytes | None) -> LoadedAdapter:
         refuse_misfits(self.spec, ckpt)
         conv = self.spec.convert_keys
         # The hash (which releases the GIL) runs beside the copy; nothing is returned unless it matches.
@@ -191,12 +231,13 @@ class LoraAdapterStore:
         finally:
             found = hashing.result() if hashing else None
         if found != digest:
+            what = "the file changed since" if ckpt.tensors is None else "the tensors changed since they were pushed"
             raise ckpt.refusal([f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was "
-                                "checked with: the file changed since"])
+                                f"checked with: {what}"])
         views = {t: self.layout.targets[t].split(block) for t, block in blocks.items()}
         a = {t: ab[0] for t, ab in views.items()}
         b = {t: ab[1] for t, ab in views.items()}
-        return LoadedAdapter(name, digest, top, ckpt.scaling(conv), a, b, blocks)
+        return LoadedAdapter(ckpt.name, digest, top, ckpt.scaling(conv), a, b, blocks)
 
     def load(self, name: str, path: str | os.PathLike[str], digest: bytes | None = None) -> LoadedAdapter:
         """Hold name and read it from path unless its copy is in.

@@ -10,11 +10,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..check import adapter_problems, inspect_checkpoint, module_reasons
+from ..check import adapter_problems, check_checkpoint, inspect_checkpoint, module_reasons
 from ..checkpoint import Checkpoint, default_name, open_checkpoint
+from ..layout import SlotLayout
 from ..models import presets, specs_from_config
+from ..plan import host_bytes
 from ..spec import LoraSpec
-from ..store import check_adapter_file
 from .table import size, table
 
 
@@ -56,10 +57,13 @@ def _row(specs: dict[str, LoraSpec], name: str, path: str) -> tuple[dict, list[s
         return row, [str(e)], None
     row["size"] = size(ckpt.size)
     nodes = list(specs.values())
-    infos = [inspect_checkpoint(spec, ckpt) for spec in nodes]
-    row["rank"] = max(i.rank for i in infos)
-    row["scaling"] = f"{ckpt.scaling(nodes[0].convert_keys):g}"
-    problems = adapter_problems(nodes, ckpt)
+    try:  # what cannot be inspected (an alpha that is not a number, say) is a reason like any other
+        infos = [inspect_checkpoint(spec, ckpt) for spec in nodes]
+        row["rank"] = max(i.rank for i in infos)
+        row["scaling"] = f"{ckpt.scaling(nodes[0].convert_keys):g}"
+        problems = adapter_problems(nodes, ckpt)
+    except ValueError as e:
+        return row, [str(e)], None
     touched = [{spec.locate(m).target for m in problems if spec.locate(m)} | i.targets
                for spec, i in zip(nodes, infos, strict=True)]
     row["targets"] = ",".join(t for ts in touched for t in sorted(ts))
@@ -114,11 +118,17 @@ def cmd_check(args: argparse.Namespace) -> int:
         print("mstar-lora check: no adapters named (ADAPTER arguments or --serving FILE)", file=sys.stderr)
         return 2
     nodes = list(specs.values())
-    rows, bad = [], []
+    layouts = [SlotLayout(spec, dtype=spec.dtype) for spec in nodes]
+    rows, bad, total = [], [], 0
     for name, path in tqdm(adapters.items(), desc="checking", unit="adapter", disable=None, file=sys.stderr):
-        row, _, _ = _row(specs, name, path)
+        row, problems, ckpt = _row(specs, name, path)
         try:
-            row["digest"] = check_adapter_file(nodes[0], name, path, nodes[1:]).hex()[:16]
+            if problems:
+                raise ckpt.refusal(problems) if ckpt is not None else ValueError(problems[0])
+            row["digest"] = check_checkpoint(nodes[0], ckpt, nodes[1:]).hex()[:16]
+            row["host_bytes"] = sum(host_bytes(ckpt, layout) for layout in layouts)
+            row["host bytes"] = size(row["host_bytes"])
+            total += row["host_bytes"]
             row["verdict"] = "ok"
         except ValueError as e:
             row["verdict"] = "refused"
@@ -126,9 +136,11 @@ def cmd_check(args: argparse.Namespace) -> int:
             bad.append(str(e))
         rows.append(row)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([{k: v for k, v in r.items() if k != "host bytes"} for r in rows], indent=2))
     else:
-        print(table(rows, ["adapter", "rank", "targets", "size", "digest", "verdict"]))
+        print(table(rows, ["adapter", "rank", "targets", "size", "host bytes", "digest", "verdict"]))
+        print(f"\nhost bytes of the {len(rows) - len(bad)} adapters served: {size(total)} at max_rank "
+              f"{args.max_rank} ({total} bytes, world size 1, {nodes[0].dtype})")
     if bad:
         print(f"\n{len(bad)} of {len(rows)} adapters cannot be served:", file=sys.stderr)
         for b in bad:
