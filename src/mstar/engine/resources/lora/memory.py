@@ -46,7 +46,7 @@ def tensor_checkpoint(name: str, tensors: Mapping[str, torch.Tensor], config: An
     except ValueError as e:
         problems.append(str(e))
         parsed = None
-    if parsed is None and any(k.startswith(PEFT_PREFIX) for k in tensors):
+    if config is None and any(k.startswith(PEFT_PREFIX) for k in tensors):
         problems.append(f"PEFT's keys with no config (the fields of {CONFIG}), so its rank and alpha are unknown")
     if problems:
         raise refusal(name, WHERE, problems)
