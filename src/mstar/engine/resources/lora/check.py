@@ -49,7 +49,7 @@ def misfit(spec: LoraSpec, module: str, a_shape: Sequence[int], b_shape: Sequenc
     a, b = as_linear(a_shape), as_linear(b_shape)
     if a[1] != t.in_features:
         return f"A {list(a_shape)} takes {a[1]} inputs, target {name} takes {t.in_features}"
-    out = sum(t.out_features) if s is None else t.out_features[s]
+    out = sum(t.out_features[sl] for sl in t.covered(s))
     if b != (out, r):
         return f"B {list(b_shape)} should be [{out}, {r}] for target {name}"
     return None

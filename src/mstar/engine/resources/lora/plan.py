@@ -139,12 +139,12 @@ def _pieces(placed: list, layout: SlotLayout) -> list[tuple[Piece, Piece]]:
     for module, (target, layer, s_), A, B in placed:
         tl = layout.targets[target]
         t = tl.target
-        r = as_linear(A.shape)[0]
+        r, starts = as_linear(A.shape)[0], t.module_rows(s_)
         for s in t.covered(s_):
             # A's input columns are this rank's chunk (all of them unless row-parallel); B's rows are this
-            # rank's rows of slice s, found at the slice's start in a module covering every slice.
+            # rank's rows of slice s, found where that slice starts in the module's B.
             (c0, c1), (r0, r1) = tl.shard.columns, tl.shard.rows[s]
-            src = 0 if s_ is not None else t.slice_starts[s]
+            src = starts[s]
             a_to, b_to = tl.a_rows(s).start, tl.b_rows(s).start
             out.append((Piece(module, "A", A, (0, r), (c0, c1), target, layer, (a_to, a_to + r)),
                         Piece(module, "B", B, (src + r0, src + r1), (0, r), target, layer, (b_to, b_to + r1 - r0))))

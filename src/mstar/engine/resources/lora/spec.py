@@ -14,6 +14,7 @@ import torch
 from .keys import ConvertKeys, peft_keys
 
 Parallel = Literal["column", "row", "replicated"]
+Slices = int | tuple[int, ...] | None  # which slices of its target a module covers (see LoraTarget.covered)
 
 
 def as_linear(shape: Sequence[int]) -> tuple[int, ...]:
@@ -75,14 +76,21 @@ class LoraTarget:
         """A conv target's input channels; a linear's input width."""
         return self.in_features // math.prod(self.kernel or (1,))
 
-    @cached_property
-    def slice_starts(self) -> tuple[int, ...]:
-        """Where each slice's rows begin in a module covering every slice (a fused qkv_proj's B)."""
-        return tuple(sum(self.out_features[:s]) for s in range(self.slices))
+    def covered(self, s: Slices) -> Sequence[int]:
+        """The slices a module on s fills, in the order its B holds them: all for s None (a module fused
+        in the base model), one for an int, and those a tuple names (BFL's final adaLN holds shift then
+        scale, diffusers' scale then shift)."""
+        if s is None:
+            return range(self.slices)
+        return (s,) if isinstance(s, int) else s
 
-    def covered(self, s: int | None) -> range:
-        """The slices a module on slice s fills: all of them for s None (a module fused in the base model)."""
-        return range(self.slices) if s is None else range(s, s + 1)
+    def module_rows(self, s: Slices) -> dict[int, int]:
+        """Where each slice a module on s covers begins among the rows of that module's B."""
+        at, out = 0, {}
+        for sl in self.covered(s):
+            out[sl] = at
+            at += self.out_features[sl]
+        return out
 
     # The sharding rule. A row target splits A's input columns in equal chunks and keeps B whole; a
     # column target keeps A whole and gives each slice's B rows out by heads (or rows) through
@@ -133,11 +141,12 @@ class Shard(NamedTuple):
 
 
 class Location(NamedTuple):
-    """Where a checkpoint module lands: its target, layer and slice (None where it covers every slice)."""
+    """Where a checkpoint module lands: its target, layer and slice (None where it covers every slice,
+    a tuple where it covers those, in that order)."""
 
     target: str
     layer: int
-    slice: int | None
+    slice: Slices
 
 
 @dataclass(frozen=True)
@@ -163,7 +172,7 @@ class LoraSpec:
 
     targets: Mapping[str, LoraTarget]
     max_rank: int
-    patterns: tuple[tuple[str, str, int | None], ...] = ()
+    patterns: tuple[tuple[str, str, Slices], ...] = ()
     capacity: int = 8
     dtype: torch.dtype = torch.bfloat16
     adapters: Mapping[str, str] = field(default_factory=dict)
@@ -180,7 +189,7 @@ class LoraSpec:
                 raise ValueError(f"a pattern names target {target!r}, which the spec lacks")
 
     @cached_property
-    def _compiled(self) -> tuple[tuple[re.Pattern[str], str, int | None], ...]:
+    def _compiled(self) -> tuple[tuple[re.Pattern[str], str, Slices], ...]:
         return tuple((re.compile(p), t, s) for p, t, s in self.patterns)
 
     @cached_property

@@ -81,10 +81,14 @@ def module_rows(specs: dict[str, LoraSpec], ckpt: Checkpoint) -> list[dict]:
                 continue
             a = keys.roles.get("A")
             where = {"target": "-", "layer": "-", "slice": "-"} if loc is None else \
-                {"target": loc.target, "layer": loc.layer, "slice": "all" if loc.slice is None else loc.slice}
+                {"target": loc.target, "layer": loc.layer, "slice": _slices(loc.slice)}
             rows.append({"module": module, "node": node, **where, "scaling": f"{scalings[module]:g}",
                          "rank": a.shape[0] if a is not None and a.shape else "-"})
     return rows
+
+
+def _slices(s: int | tuple[int, ...] | None) -> str:
+    return "all" if s is None else str(s) if isinstance(s, int) else ",".join(map(str, s))
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

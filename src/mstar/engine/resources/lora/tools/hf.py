@@ -73,7 +73,7 @@ def shard_base(base: nn.Module, t: LoraTarget, slice_: int | None, rank: int, wo
     bias = base.bias.data if getattr(base, "bias", None) is not None else None
     shard = t.shard(rank, world_size)
     if t.parallel == "column":  # a module covering every slice holds them back to back, as its B does
-        start = t.slice_starts if slice_ is None else (0,) * t.slices
+        start = t.module_rows(slice_)
         keep = torch.cat([torch.arange(start[s] + shard.rows[s][0], start[s] + shard.rows[s][1])
                           for s in t.covered(slice_)])
         base.weight = nn.Parameter(w[keep].clone(), requires_grad=False)
