@@ -19,8 +19,9 @@ FLUX = {"_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels":
         "pooled_projection_dim": 16, "guidance_embeds": False, "axes_dims_rope": [2, 2, 4]}
 FLUX_TARGETS = ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out",
                 "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "norm1.linear",
-                "norm1_context.linear", "proj_mlp", "single_transformer_blocks.0.proj_out", "norm.linear",
-                "x_embedder", "context_embedder"]
+                "norm1_context.linear", "proj_mlp", "proj_out", "norm.linear", "x_embedder", "context_embedder",
+                "timestep_embedder.linear_1", "timestep_embedder.linear_2", "text_embedder.linear_1",
+                "text_embedder.linear_2", "norm_out.linear"]
 # model config -> (the transformer's class, the pipeline whose LoRA loader reads its files, default targets)
 KINDS = {"WanTransformer3DModel": ("WanPipeline", WAN_TARGETS), "FluxTransformer2DModel": ("FluxPipeline",
                                                                                             FLUX_TARGETS)}
@@ -78,23 +79,27 @@ def save_flux_lora(path: Path, seed: int = 1, **lora) -> Path:
     return save_lora(FLUX, path, seed, **lora)
 
 
-def native(diffusers_file: Path, path: Path, style: str, alphas: bool = True) -> Path:
+def native(diffusers_file: Path, path: Path, style: str, alphas: bool = True, alpha_dtype=torch.float32) -> Path:
     """A diffusers Wan file's weights in a trainer's layout ("native" or "kohya"), each module with
     its own alpha."""
     from safetensors.torch import load_file, save_file
 
-    from mstar.engine.resources.lora.models.wan import NATIVE
+    from mstar.engine.resources.lora.models.wan import NATIVE, TOP_NATIVE
 
     to_native = {v: k for k, v in NATIVE.items()}
+    top = {v: k for k, v in TOP_NATIVE.items()}
     out = {}
     for i, (key, value) in enumerate(sorted(load_file(diffusers_file).items())):
         module, _, role = key.removeprefix("transformer.").rpartition(".lora_")
-        _, block, rest = module.split(".", 2)
-        name = f"blocks.{block}.{to_native[rest]}"
+        if module in top:
+            name = top[module]
+        else:
+            _, block, rest = module.split(".", 2)
+            name = f"blocks.{block}.{to_native[rest]}"
         down_up = {"A.weight": "lora_down.weight", "B.weight": "lora_up.weight"}[role]
         prefix = f"lora_unet_{name.replace('.', '_')}" if style == "kohya" else f"diffusion_model.{name}"
         out[f"{prefix}.{down_up}"] = value
         if alphas and role == "A.weight":
-            out[f"{prefix}.alpha"] = torch.tensor(value.shape[0] * (0.5 + 0.25 * (i % 5)))
+            out[f"{prefix}.alpha"] = torch.tensor(value.shape[0] * (0.5 + 0.25 * (i % 5))).to(alpha_dtype)
     save_file(out, path)
     return path

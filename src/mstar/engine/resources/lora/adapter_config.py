@@ -71,6 +71,11 @@ def parse_config(raw: object, source: str = "adapter_config.json") -> AdapterCon
     """An AdapterConfig from a parsed LoRA config; ValueError listing every unserved option."""
     if not isinstance(raw, dict):
         raise ValueError(f"{source} is not a JSON object")
+    if source == "adapter_config.json" and "peft_type" not in raw:  # PEFT writes it in every adapter_config.json
+        if "lora_parameters" in raw or "fine_tune_type" in raw:
+            raise ValueError("adapter_config.json is mlx-lm's (lora_parameters, fine_tune_type), not PEFT's: its "
+                             "keys and scale are mlx-lm's own; convert the adapter to PEFT's format first")
+        raise ValueError("adapter_config.json is not PEFT's: it has no peft_type")
     problems = []
     peft_type = raw.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":

@@ -25,6 +25,7 @@ CONFIG = "adapter_config.json"
 # Where diffusers' save_lora_weights puts the LoraConfig of each component, keys prefixed by it.
 DIFFUSERS_METADATA = "lora_adapter_metadata"
 
+NUMBER_DTYPES = FLOAT_DTYPES | {"I64", "I32", "I16", "I8", "U8"}
 Modules = dict[str, ModuleKeys]  # module -> its TensorEntry by role
 
 
@@ -178,9 +179,10 @@ class Checkpoint:
 
 
 def alpha_value(e: TensorEntry, tensor: torch.Tensor) -> float:
-    """The value of a one-element float tensor (a trainer's alpha)."""
-    if e.dtype not in FLOAT_DTYPES or math.prod(e.shape) != 1:
-        raise ValueError(f"an alpha must be one float, not {e.dtype} {list(e.shape)}")
+    """The value of a one-element tensor (a trainer's alpha): a float, or an integer, as several kohya and
+    musubi scripts store it and kohya's loaders, diffusers and ComfyUI read it."""
+    if e.dtype not in NUMBER_DTYPES or math.prod(e.shape) != 1:
+        raise ValueError(f"an alpha must be one number, not {e.dtype} {list(e.shape)}")
     value = tensor.item()
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"alpha {value} is not a finite, non-negative number")

@@ -13,6 +13,8 @@ PEFT_PREFIX = "base_model.model."
 SUFFIXES = (
     (".lora_A.weight", "A"),
     (".lora_B.weight", "B"),
+    (".lora_A.default.weight", "A"),  # DiffSynth-Studio saves PEFT's adapter name in its keys
+    (".lora_B.default.weight", "B"),
     (".lora_down.weight", "A"),
     (".lora_up.weight", "B"),
     (".alpha", "alpha"),
@@ -68,18 +70,20 @@ def peft_keys(keys: Sequence[str]) -> dict[str, tuple[str, str]]:
     return {key: split_key(key.removeprefix(PEFT_PREFIX)) for key in keys}
 
 
-def trainer_key(key: str, kohya: Mapping[str, str]) -> tuple[str, str, bool]:
-    """(module, role, whether the module is named as the model's own trainers name it) of a
-    diffusion LoRA key: diffusion_model.<native name>; lora_unet_<native name, dots as
-    underscores>, looked up in kohya (its _-joined form -> the name), never split by guesswork;
-    anything else, such as diffusers' transformer.<module>, less its prefix."""
-    if key.startswith("diffusion_model."):
-        return (*split_key(key.removeprefix("diffusion_model.")), True)
-    if key.startswith("lora_unet_"):
-        flat, role = split_key(key.removeprefix("lora_unet_"))
-        return (kohya[flat], role, True) if flat in kohya else ("lora_unet_" + flat, role, False)
-    return (*split_key(key.removeprefix("transformer.")), False)
-
+def trainer_key(key: str, flat: Mapping[str, str]) -> tuple[str, str]:
+    """(module, role) of a diffusion LoRA key, the module as the model's own trainers or diffusers name it:
+    diffusion_model.<name> (BFL's and Wan's own), pipe.dit.<name> (DiffSynth-Studio), transformer.<name>
+    (diffusers); lora_unet_<name, dots as underscores> (kohya, musubi, and VideoX-Fun's lora_unet__) and
+    lora_transformer_<name likewise> (the "mixture" trainers), looked up in flat (its _-joined form ->
+    the name), never split by guesswork; a name not found there keeps its key, which nothing maps."""
+    for prefix in ("lora_unet__", "lora_unet_", "lora_transformer_"):
+        if key.startswith(prefix):
+            name, role = split_key(key.removeprefix(prefix))
+            return flat.get(name, prefix + name), role
+    for prefix in ("diffusion_model.", "pipe.dit.", "transformer."):
+        if key.startswith(prefix):
+            return split_key(key.removeprefix(prefix))
+    return split_key(key)
 
 class ModuleKeys(NamedTuple):
     """One module's tensors (entries, or shapes) by role, and each further key read as a role it
