@@ -231,7 +231,8 @@ def test_as_linear_and_misfit_table():
 
 
 def test_unknown_architecture_names_it_and_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown architecture .gpt2.; known: flux, gemma, gemma2, llama, .*, wan"):
+    with pytest.raises(ValueError, match=r"unknown architecture .gpt2.; known: flux, gemma, gemma2, gpt_oss, "
+                                         r"llama, .*, wan"):
         specs_from_config({"model_type": "gpt2"}, max_rank=8)
 
 

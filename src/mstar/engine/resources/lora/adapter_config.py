@@ -18,7 +18,6 @@ UNSERVED_OPTIONS = {
     "use_qalora": "QALoRA (use_qalora) pools its input",
     "layer_replication": "layer_replication changes the base model's layers",
     "trainable_token_indices": "trainable_token_indices trains embedding rows",
-    "target_parameters": "target_parameters puts LoRA on raw parameters (MoE experts)",
     "alora_invocation_tokens": "aLoRA (alora_invocation_tokens) applies from an invocation on",
     "arrow_config": "arrow_config routes between adapters",
     "kasa_config": "KaSA (kasa_config) adds a singular-value scale",
@@ -42,6 +41,7 @@ class AdapterConfig:
     alpha_pattern: Mapping[str, float] = field(default_factory=dict)
     layers_to_transform: tuple[int, ...] | None = None
     source: str = "adapter_config.json"
+    peft_version: str | None = None  # which side of stacked experts PEFT put lora_A on (experts.py)
 
     @property
     def scaling(self) -> float:
@@ -102,6 +102,7 @@ def parse_config(raw: object, source: str = "adapter_config.json") -> AdapterCon
             alpha_pattern=_patterns(raw.get("alpha_pattern"), "alpha_pattern", float),
             layers_to_transform=_layers(raw.get("layers_to_transform")),
             source=source,
+            peft_version=str(raw["peft_version"]) if raw.get("peft_version") else None,
         )
     except ValueError as e:
         problems.append(str(e))

@@ -13,9 +13,10 @@ import torch
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import HASH_ON_EVERY_CORE, adapter_digest
+from .experts import orientation, stacked_misfit
 from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
 from .memory import tensor_checkpoint
-from .spec import AdapterInfo, LoraSpec, as_linear
+from .spec import AdapterInfo, Location, LoraSpec, as_linear
 
 # Modules whose LoRA changes the vocabulary side of the model, which the pool does not serve.
 _VOCAB_MODULES = ("lm_head", "embed_tokens", "wte", "embed_out", "output_layer")
@@ -31,6 +32,11 @@ def misfit(spec: LoraSpec, module: str, a_shape: Sequence[int], b_shape: Sequenc
     a_shape, b_shape = tuple(a_shape), tuple(b_shape)
     if layer >= t.layers:
         return f"layer {layer} is past the {t.layers} layers of target {name}"
+    if t.experts is not None and s is None:
+        return stacked_misfit(t, name, a_shape, b_shape, spec.max_rank)
+    if isinstance(s, int) and s >= t.slices:
+        count = t.experts.count if t.experts else t.slices
+        return f"expert {s * count // t.slices} is past the model's {count} experts"
     if len(a_shape) < 2 or len(b_shape) != len(a_shape):
         return f"A {list(a_shape)} and B {list(b_shape)} are not a pair of LoRA factors"
     if t.kernel is None and len(a_shape) != 2:
@@ -67,9 +73,9 @@ def _inspect(spec: LoraSpec, modules: dict[str, ModuleKeys], shape: Callable[[An
     placed: dict[tuple[str, int, int], str] = {}
     for module, keys in sorted(modules.items()):
         roles = {role: shape(v) for role, v in keys.roles.items()}
-        if "A" in roles:
-            rank = max(rank, roles["A"][0] if roles["A"] else 0)
         loc = spec.locate(module)
+        if "A" in roles:
+            rank = max(rank, module_rank(spec, loc, roles["A"]))
         why = refused_roles(module, roles, keys.doubled) or (
             None if loc is None else _unpaired(roles) or misfit(spec, module, roles["A"], roles["B"]))
         if why:
@@ -83,6 +89,16 @@ def _inspect(spec: LoraSpec, modules: dict[str, ModuleKeys], shape: Callable[[An
                 placed.setdefault((loc.target, loc.layer, sl), module)
             targets.add(loc.target)
     return AdapterInfo(rank, tuple(unmapped), misfits, frozenset(targets))
+
+
+def module_rank(spec: LoraSpec, loc: Location | None, a_shape: Sequence[int]) -> int:
+    """A module's rank: A's rows, or per expert where A stacks every expert's."""
+    r = a_shape[0] if a_shape else 0
+    if loc is not None and loc.slice is None:
+        experts = spec.targets[loc.target].experts
+        if experts is not None:
+            return r // experts.count
+    return r
 
 
 def refused_roles(module: str, roles: dict[str, tuple[int, ...]], doubled: Sequence[tuple[str, str]]) -> str | None:
@@ -126,10 +142,17 @@ def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
             continue
         if a.dtype not in ("F32", "F16", "BF16") or b.dtype != a.dtype:
             misfits[module] = f"factors of dtype {a.dtype} / {b.dtype}; LoRA weights are floats of one dtype"
-        elif config is not None and a.shape[0] != config.rank_of(module):
-            misfits[module] = (f"rank {a.shape[0]}, but {config.source} gives it r={config.rank_of(module)}, "
+        loc = spec.locate(module)
+        r = module_rank(spec, loc, a.shape)
+        if config is not None and r != config.rank_of(module):
+            misfits[module] = (f"rank {r}, but {config.source} gives it r={config.rank_of(module)}, "
                                "so its scaling is unknown")
-        layer = spec.locate(module).layer
+        t = spec.targets[loc.target]
+        if t.experts is not None and loc.slice is None:
+            way = orientation(t, a.shape, b.shape, config.peft_version if config else None)
+            if way not in ("A in", "A out"):
+                misfits[module] = way
+        layer = loc.layer
         if config is not None and config.layers_to_transform is not None and layer not in config.layers_to_transform:
             misfits[module] = f"layer {layer} is outside layers_to_transform {list(config.layers_to_transform)}"
     return AdapterInfo(info.rank, info.unmapped, misfits, info.targets)
@@ -209,8 +232,12 @@ def adapter_problems(specs: Sequence[LoraSpec], ckpt: Checkpoint) -> dict[str, s
     infos = [inspect_checkpoint(s, ckpt) for s in specs]
     problems: dict[str, str] = {}
     names = ", ".join(s.name for s in specs)
+    has_experts = any(t.experts is not None for s in specs for t in s.targets.values())
     for module in sorted(set.intersection(*(set(i.unmapped) for i in infos))):
-        problems[module] = f"no target of {names} maps it"
+        if ".experts." in f"{module}." and not has_experts:
+            problems[module] = "expert weights, and this model has no experts"
+        else:
+            problems[module] = f"no target of {names} maps it"
     for info in infos:
         problems.update(info.misfits)
     return problems

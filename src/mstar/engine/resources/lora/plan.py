@@ -18,9 +18,10 @@ from typing import NamedTuple
 import torch
 
 from .checkpoint import Checkpoint
+from .experts import orientation
 from .layout import SlotLayout
 from .safetensors_header import TensorEntry
-from .spec import as_linear
+from .spec import LoraTarget, as_linear
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 RUN_BYTES = 1 << 30  # Linux moves at most about 2 GiB in one read
@@ -65,6 +66,20 @@ class Dense(NamedTuple):
     dtype: torch.dtype
 
 
+class Stacked(NamedTuple):
+    """A module holding every expert's factors of one layer (experts.py), and which side of each expert A is on."""
+
+    module: str
+    A: TensorEntry
+    B: TensorEntry
+    target: str
+    layer: int
+    orientation: str
+
+    def rank(self, t: LoraTarget) -> int:
+        return self.A.shape[0] // t.experts.count
+
+
 Run = tuple[int, tuple[tuple[int, int], ...]]  # one preadv: file offset, ((destination offset, bytes), ...)
 Batch = tuple[Run, ...]  # runs read one after another by one thread
 
@@ -85,6 +100,7 @@ class Plan(NamedTuple):
     partial: frozenset[str]  # targets, not dense, whose blocks the pieces do not fill
     rank: int  # the largest module rank among the pieces
     modules: tuple[str, ...]
+    stacked: tuple[Stacked, ...] = ()  # every expert's factors in one pair, copied a layer at a time
 
     def spread(self) -> list[Read]:
         """The staged reads copied piece by piece: all but the B of dense targets."""
@@ -115,7 +131,12 @@ def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
         if loc is not None:
             placed.append((module, loc, keys.roles["A"], keys.roles["B"]))
     targets = tuple(n for n in spec.targets if any(loc.target == n for _, loc, _, _ in placed))
-    pieces = _pieces(placed, layout)
+    peft_version = ckpt.config.peft_version if ckpt.config is not None else None
+    stacked = [Stacked(m, A, B, loc.target, loc.layer, orientation(spec.targets[loc.target], A.shape, B.shape,
+                                                                     peft_version))
+               for m, loc, A, B in placed if spec.targets[loc.target].experts is not None and loc.slice is None]
+    placed_alone = [p for p in placed if p[0] not in {st.module for st in stacked}]
+    pieces = _pieces(placed_alone, layout)
     direct, staged, mapped = _sort(pieces, layout, targets)
     dense = _dense(pieces, layout, targets, direct)
     staged, dense, staging = _stage(staged, dense, layout)
@@ -124,13 +145,18 @@ def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
     for a, b in pieces:
         filled[a.target] += (a.rows[1] - a.rows[0]) * (a.columns[1] - a.columns[0])
         filled[b.target] += (b.rows[1] - b.rows[0]) * (b.columns[1] - b.columns[0])
+    for st in stacked:  # every expert's rows at the module's rank, in every slice
+        tl = layout.targets[st.target]
+        r = st.rank(spec.targets[st.target])
+        filled[st.target] += r * tl.target.slices * tl.a_shape[2] + r * tl.b_shape[1]
     dense_targets = {d.target for d in dense}
     partial = frozenset(n for n in targets if n not in dense_targets
                         and filled[n] < layout.targets[n].weight_bytes // item)
-    rank = max((as_linear(A.shape)[0] for _, _, A, _ in placed), default=0)
+    ranks = [as_linear(A.shape)[0] for _, _, A, _ in placed_alone] + [st.rank(spec.targets[st.target])
+                                                                     for st in stacked]
     return Plan(targets, SKEW + layout.nbytes(targets), _skew(direct, item), tuple(direct), tuple(staged),
-                tuple(dense), tuple(mapped), _batches(direct), _batches(staged), staging, partial, rank,
-                tuple(module for module, _, _, _ in placed))
+                tuple(dense), tuple(mapped), _batches(direct), _batches(staged), staging, partial,
+                max(ranks, default=0), tuple(module for module, _, _, _ in placed), tuple(stacked))
 
 
 def _pieces(placed: list, layout: SlotLayout) -> list[tuple[Piece, Piece]]:
@@ -181,6 +207,7 @@ def _dense(pieces: list[tuple[Piece, Piece]], layout: SlotLayout, targets: tuple
     by_target: dict[str, list[Piece]] = {}
     for _, b in pieces:
         by_target.setdefault(b.target, []).append(b)
+    targets = tuple(n for n in targets if n in by_target)
     read_direct = {d.piece.target for d in direct if d.piece.role == "B"}
     dense = []
     for name in targets:

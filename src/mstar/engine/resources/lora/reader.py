@@ -17,9 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .checkpoint import Checkpoint
+from .experts import stacked_widths
 from .host_memory import HostBuffers
 from .layout import SlotLayout
-from .plan import Batch, Piece, Plan, Read, plan
+from .plan import Batch, Piece, Plan, Read, Stacked, plan
 from .spec import as_linear
 
 READ_THREADS = min(4, os.cpu_count() or 1)
@@ -45,6 +46,8 @@ def read_layout(ckpt: Checkpoint, layout: SlotLayout, buffers: HostBuffers, stag
     views = {name: layout.targets[name].split(block) for name, block in blocks.items()}
     if not fresh:
         _zero_padding(p, blocks, views, layout.spec.max_rank)
+    for st in p.stacked:
+        _copy_stacked(layout, views, st, ckpt.tensor(st.A), ckpt.tensor(st.B), ratios.get(st.module, 1.0))
     if ckpt.tensors is not None:
         _copy_pushed(ckpt, p, buf[p.skew :], views, ratios)
         return p.rank, blocks
@@ -94,6 +97,30 @@ def _copy_pushed(ckpt: Checkpoint, p: Plan, blocks: torch.Tensor, views: Views, 
     for r in p.direct:  # a module's own scaling is folded into its B, in float32 before the cast
         if r.piece.role == "B" and r.piece.module in ratios:
             _fold(views, r.piece, None, ratios[r.piece.module])
+
+
+def _copy_stacked(layout: SlotLayout, views: Views, st: Stacked, A: torch.Tensor, B: torch.Tensor,
+                  ratio: float) -> None:
+    """A stacked module's every expert into its slices, a few copies a layer (experts.py says how A and B
+    hold the experts): each expert's A into the rows of each of its slices, its B's rows of each slice,
+    this rank's shard of them, into that slice's rows of b."""
+    tl = layout.targets[st.target]
+    t, R = tl.target, layout.spec.max_rank
+    count, (fan_in, fan_out) = t.experts.count, stacked_widths(t)
+    per, r = t.slices // count, st.rank(t)
+    if st.orientation == "A in":
+        down, up = A.reshape(count, r, fan_in), B.reshape(fan_out, r, count).permute(2, 0, 1)
+    else:  # A on the output side: B's transpose is the input-side factor
+        down, up = B.reshape(fan_in, r, count).permute(2, 1, 0), A.reshape(count, r, fan_out).transpose(1, 2)
+    a, b = views[st.target]
+    a = a[st.layer].view(count, per, R, a.shape[-1])
+    b = b[st.layer].view(count, per, -1, R)
+    (c0, c1), width = tl.shard.columns, t.out_features[0]
+    for j in range(per):
+        a[:, j, :r].copy_(down[:, :, c0:c1])
+        rows = up[:, j::per] if t.experts.interleaved else up[:, j * width : (j + 1) * width]
+        r0, r1 = tl.shard.rows[j]  # every expert's slice j shards alike
+        b[:, j, :, :r].copy_(rows[:, r0:r1] if ratio == 1.0 else rows[:, r0:r1].float() * ratio)
 
 
 def _zero_padding(p: Plan, blocks: dict[str, torch.Tensor], views: Views, R: int) -> None:

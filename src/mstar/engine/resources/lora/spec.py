@@ -58,10 +58,13 @@ class LoraTarget:
     parallel: Parallel
     heads: tuple[int | None, ...] | None = None
     kernel: tuple[int, ...] | None = None  # a conv target's kernel; in_features = c * prod(kernel)
+    experts: Experts | None = None  # for a mixture-of-experts target: its slices, expert-major
 
     def __post_init__(self) -> None:
         if self.parallel not in ("column", "row", "replicated"):
             raise ValueError(f"parallel must be column, row or replicated, not {self.parallel!r}")
+        if self.experts is not None and self.slices % self.experts.count:
+            raise ValueError(f"{self.slices} slices are not {self.experts.count} experts' alike")
         if self.heads is not None and len(self.heads) != len(self.out_features):
             raise ValueError("heads needs one head count per slice")
         if self.kernel is not None and self.in_features % math.prod(self.kernel):
@@ -140,6 +143,25 @@ class Shard(NamedTuple):
         return tuple(stop - start for start, stop in self.rows)
 
 
+class Experts(NamedTuple):
+    """How a target's slices are experts: count of them, each owning slices // count slices in a row
+    (gate then up, or down alone); how the model stores the experts' stacked weight, [E, out, in]
+    ("out_in", as a linear's) or [E, in, out] ("in_out", as gpt-oss); and whether the output rows of
+    one expert's slices interleave (gpt-oss: gate, up, gate, up, ...) rather than follow each other."""
+
+    count: int
+    layout: Literal["out_in", "in_out"] = "out_in"
+    interleaved: bool = False
+
+
+class PerExpert(NamedTuple):
+    """A pattern's slice for per-expert modules: per * the expert its group "expert" names, plus offset
+    (gate_proj of expert 5 is slice 10 of experts_gate_up, up_proj slice 11)."""
+
+    per: int
+    offset: int
+
+
 class Location(NamedTuple):
     """Where a checkpoint module lands: its target, layer and slice (None where it covers every slice,
     a tuple where it covers those, in that order)."""
@@ -172,7 +194,7 @@ class LoraSpec:
 
     targets: Mapping[str, LoraTarget]
     max_rank: int
-    patterns: tuple[tuple[str, str, Slices], ...] = ()
+    patterns: tuple[tuple[str, str, Slices | PerExpert], ...] = ()
     capacity: int = 8
     dtype: torch.dtype = torch.bfloat16
     adapters: Mapping[str, str] = field(default_factory=dict)
@@ -189,7 +211,7 @@ class LoraSpec:
                 raise ValueError(f"a pattern names target {target!r}, which the spec lacks")
 
     @cached_property
-    def _compiled(self) -> tuple[tuple[re.Pattern[str], str, Slices], ...]:
+    def _compiled(self) -> tuple[tuple[re.Pattern[str], str, Slices | PerExpert], ...]:
         return tuple((re.compile(p), t, s) for p, t, s in self.patterns)
 
     @cached_property
@@ -206,6 +228,8 @@ class LoraSpec:
         for regex, target, s in self._compiled:
             m = regex.fullmatch(module)
             if m:
+                if isinstance(s, PerExpert):
+                    s = int(m.group("expert")) * s.per + s.offset
                 found = Location(target, int(m.group("layer")) if "layer" in regex.groupindex else 0, s)
                 break
         if len(self._located) < 1 << 20:  # adapters of one model share their module names

@@ -13,6 +13,7 @@ import torch
 from ..spec import LoraSpec
 from .decoder import decoder_spec, phi3_spec
 from .flux import flux_specs
+from .moe import moe_specs
 from .qwen2_vl import qwen2_5_vl_specs, qwen2_vl_specs
 from .wan import wan_specs
 
@@ -29,6 +30,13 @@ def _phi3(config: Mapping[str, Any], **kw: Any) -> dict[str, LoraSpec]:
     return {"language_model": phi3_spec(config, **kw)}
 
 
+def _moe(family: str) -> Builder:
+    def build(config: Mapping[str, Any], **kw: Any) -> dict[str, LoraSpec]:
+        return moe_specs(config, family, **kw)
+
+    return build
+
+
 BUILDERS: dict[str, Builder] = {
     "llama": _decoder,
     "mistral": _decoder,
@@ -41,7 +49,11 @@ BUILDERS: dict[str, Builder] = {
     "qwen2_5_vl": qwen2_5_vl_specs,
     "wan": wan_specs,
     "flux": flux_specs,
+    "qwen3_moe": _moe("qwen3_moe"),
+    "mixtral": _moe("mixtral"),
+    "gpt_oss": _moe("gpt_oss"),
 }
+MIXTURES = ("qwen3_moe", "mixtral", "gpt_oss")  # their builders take max_expert_rank
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -55,6 +67,9 @@ _ARCHITECTURES = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "WanTransformer3DModel": "wan",
     "FluxTransformer2DModel": "flux",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 
@@ -100,13 +115,16 @@ def specs_from_config(
     capacity: int = 8,
     adapters: Mapping[str, str] | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    max_expert_rank: int | None = None,
 ) -> dict[str, LoraSpec]:
     """Each node's LoraSpec, keyed "language_model" and, for a vision-language model,
-    "vision_tower" ("transformer" for a diffusion transformer); every node serves the same adapters."""
+    "vision_tower" ("transformer" for a diffusion transformer; "experts", with max_expert_rank,
+    default max_rank, for a mixture of experts); every node serves the same adapters."""
     raw = load_config(config)
+    kind = model_type(raw)
+    extra = {"max_expert_rank": max_expert_rank} if kind in MIXTURES else {}
     try:
-        return BUILDERS[model_type(raw)](
-            raw, max_rank=max_rank, capacity=capacity, adapters=dict(adapters or {}), dtype=dtype
-        )
+        return BUILDERS[kind](raw, max_rank=max_rank, capacity=capacity, adapters=dict(adapters or {}), dtype=dtype,
+                              **extra)
     except KeyError as e:
         raise ValueError(f"config lacks {e.args[0]!r}, which its architecture needs") from None

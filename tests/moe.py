@@ -1,0 +1,104 @@
+"""Tiny random mixture-of-experts models, their PEFT adapters, and each expert's delta as PEFT and the pool see it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+EXPERTS = 4
+BASE = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "num_experts_per_tok": 2, "vocab_size": 64, "pad_token_id": 0}
+CONFIGS = {
+    "qwen3_moe": {**BASE, "model_type": "qwen3_moe", "intermediate_size": 64, "moe_intermediate_size": 24,
+                  "num_experts": EXPERTS},
+    "mixtral": {**BASE, "model_type": "mixtral", "intermediate_size": 24, "num_local_experts": EXPERTS},
+    "gpt_oss": {**BASE, "model_type": "gpt_oss", "intermediate_size": 24, "num_local_experts": EXPERTS,
+                "layer_types": ["sliding_attention", "full_attention"]},
+}
+INTER = 24
+STACKED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# per-expert module names as transformers 4 had them: (gate, up, down) under a layer
+PER_EXPERT = {"qwen3_moe": ("mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
+              "mixtral": ("block_sparse_moe.experts.{e}.", ("w1", "w3", "w2"))}
+
+
+def build(family: str, seed: int = 0, **over) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**{**CONFIGS[family], **over})).eval()
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def stacked_adapter(tmp: Path, family: str, name: str = "ad", seed: int = 1, **lora):
+    """An adapter PEFT itself made on the model's stacked experts (target_parameters), with q_proj too."""
+    import peft
+
+    lora.setdefault("r", 2)
+    lora.setdefault("lora_alpha", 4)
+    lora.setdefault("target_modules", ["q_proj"])
+    pm = peft.get_peft_model(build(family), peft.LoraConfig(target_parameters=STACKED, **lora))
+    randomize(pm, seed)
+    pm.save_pretrained(tmp / name)
+    return pm.eval(), tmp / name
+
+
+def per_expert_adapter(tmp: Path, family: str, name: str = "pe", experts=range(EXPERTS), r: int = 2,
+                       alpha: float = 4, seed: int = 2) -> tuple[dict[str, torch.Tensor], Path]:
+    """A per-expert adapter as PEFT saved one on transformers 4's expert modules (written out here: those
+    modules no longer exist to train on)."""
+    prefix, (gate, up, down) = PER_EXPERT[family]
+    hidden = CONFIGS[family]["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(CONFIGS[family]["num_hidden_layers"]):
+        for e in experts:
+            for proj, fan_in, fan_out in ((gate, hidden, INTER), (up, hidden, INTER), (down, INTER, hidden)):
+                key = f"base_model.model.model.layers.{layer}.{prefix.format(e=e)}{proj}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(r, fan_in, generator=g) * 0.3
+                tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, r, generator=g) * 0.3
+    path = tmp / name
+    path.mkdir(parents=True)
+    save_file(tensors, path / "adapter_model.safetensors")
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": [gate, up, down],
+        "task_type": "CAUSAL_LM"}))
+    return tensors, path
+
+
+def peft_expert_deltas(pm: torch.nn.Module, family: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [E, 2I, H] with gate rows then up rows, down [E, H, I]) deltas PEFT applies at layer,
+    as a linear's [out, in] per expert."""
+    experts = pm.base_model.model.model.layers[layer].mlp.experts
+    down, gate_up = experts.get_delta_weight("default"), experts.base_layer.get_delta_weight("default")
+    if family == "gpt_oss":  # stored [E, in, out], gate and up interleaved in out
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], 1)
+    return gate_up, down
+
+
+def pool_expert_deltas(adapter, spec, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same deltas from a slot laid out by the pool: scaling * B A of each slice, gate then up."""
+    R = spec.max_rank
+    out = []
+    for target, per in (("experts_gate_up", 2), ("experts_down", 1)):
+        if target not in adapter.a:
+            out.append(None)
+            continue
+        a, b = adapter.a[target][layer], adapter.b[target][layer]
+        width = b.shape[0] // (EXPERTS * per)
+        slices = [adapter.scaling * b[s * width : (s + 1) * width] @ a[s * R : (s + 1) * R]
+                  for s in range(EXPERTS * per)]
+        out.append(torch.stack([torch.cat(slices[e * per : (e + 1) * per]) for e in range(EXPERTS)]))
+    return tuple(out)

@@ -1,0 +1,174 @@
+"""LoRA on mixture-of-experts experts: every expert's delta from the pool's layout is PEFT's, in every layout
+PEFT has written, and what cannot be read for sure is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import torch
+from moe import (
+    CONFIGS,
+    EXPERTS,
+    STACKED,
+    build,
+    peft_expert_deltas,
+    per_expert_adapter,
+    pool_expert_deltas,
+    randomize,
+    stacked_adapter,
+)
+from safetensors.torch import load_file, save_file
+from tiny import make_adapter, model_config
+
+from mstar.engine.resources.lora import LoraAdapterStore, check_adapter_file, specs_from_config
+
+
+def specs(family, max_rank=8, max_expert_rank=4, **over):
+    return specs_from_config({**CONFIGS[family], **over}, max_rank=max_rank, max_expert_rank=max_expert_rank)
+
+
+def read(family, path, rank=0, world_size=1, **kw):
+    s = specs(family, **kw)
+    digest = check_adapter_file(s["language_model"], "ad", path, [s["experts"]])
+    store = LoraAdapterStore(s["experts"], rank, world_size, pin=False, dtype=torch.float32)
+    return s["experts"], store.read("ad", path, digest)
+
+
+def assert_deltas(adapter, spec, want_gate_up, want_down, layer, msg=""):
+    gate_up, down = pool_expert_deltas(adapter, spec, layer)
+    torch.testing.assert_close(gate_up, want_gate_up, rtol=1e-5, atol=1e-6, msg=f"gate_up {msg}")
+    torch.testing.assert_close(down, want_down, rtol=1e-5, atol=1e-6, msg=f"down {msg}")
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_stacked_experts_give_peft_delta_for_every_expert(tmp_path, family):
+    pm, path = stacked_adapter(tmp_path, family, alpha_pattern={"down_proj": 6}, rank_pattern={"gate_up_proj": 4})
+    spec, adapter = read(family, path)
+    for layer in range(2):
+        assert_deltas(adapter, spec, *peft_expert_deltas(pm, family, layer), layer, f"{family} layer {layer}")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_per_expert_modules_give_the_delta_of_peft_converting_them(tmp_path, family):
+    """transformers 5 stacks the experts; PEFT converts a per-expert adapter into the stacked one on load."""
+    _, path = per_expert_adapter(tmp_path, family)
+    converted = peft.PeftModel.from_pretrained(build(family), path).eval()
+    spec, adapter = read(family, path)
+    for layer in range(2):
+        assert_deltas(adapter, spec, *peft_expert_deltas(converted, family, layer), layer, f"{family} layer {layer}")
+
+
+def test_an_adapter_touching_some_experts_leaves_the_others_zero(tmp_path):
+    tensors, path = per_expert_adapter(tmp_path, "qwen3_moe", experts=(0, 2))
+    spec, adapter = read("qwen3_moe", path)
+    gate_up, down = pool_expert_deltas(adapter, spec, 1)
+    for e in range(EXPERTS):
+        key = f"base_model.model.model.layers.1.mlp.experts.{e}.down_proj"
+        want = 2.0 * tensors[f"{key}.lora_B.weight"] @ tensors[f"{key}.lora_A.weight"] if e in (0, 2) else 0 * down[e]
+        torch.testing.assert_close(down[e], want, msg=f"expert {e}")
+        assert (gate_up[e].abs().sum() > 0) == (e in (0, 2))
+
+
+def flipped(path, out, version):
+    """The same adapter as PEFT before 0.19 saved it for [E, out, in] experts: lora_A on the output side."""
+    tensors = load_file(path / "adapter_model.safetensors")
+    for key in [k for k in tensors if ".mlp.experts" in k and "lora_A" in k]:
+        a, b = tensors[key], tensors[key.replace("lora_A", "lora_B")]
+        r = a.shape[0] // EXPERTS
+        per_in, per_out = a.reshape(EXPERTS, r, -1), b.reshape(b.shape[0], r, EXPERTS).permute(2, 0, 1)
+        # each expert's delta B A is A' B'  with A' = (B)^T on the output side and B' = (A)^T on the input side
+        tensors[key] = per_out.transpose(1, 2).reshape(EXPERTS * r, -1)
+        tensors[key.replace("lora_A", "lora_B")] = per_in.permute(2, 1, 0).reshape(-1, r * EXPERTS)
+    out.mkdir()
+    save_file(tensors, out / "adapter_model.safetensors")
+    config = json.loads((path / "adapter_config.json").read_text())
+    config.pop("peft_version")
+    if version:
+        config["peft_version"] = version
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_lora_a_on_the_output_side_is_told_by_the_shapes(tmp_path, family):
+    _, path = stacked_adapter(tmp_path, family)
+    _, normal = read(family, path)
+    _, old = read(family, flipped(path, tmp_path / "old", None))
+    for t in normal.a:
+        assert torch.equal(normal.a[t], old.a[t]) and torch.equal(normal.b[t], old.b[t])
+
+
+SQUARE = {"moe_intermediate_size": 32}  # down_proj of 32 inputs and 32 outputs
+
+
+@pytest.mark.parametrize(("version", "fits"), [(None, None), ("0.19.0", None), ("0.18.2", "old"), ("0.21.2", "new")])
+def test_a_square_expert_is_read_only_when_peft_version_settles_it(tmp_path, version, fits):
+    pm = peft.get_peft_model(build("qwen3_moe", **SQUARE), peft.LoraConfig(r=2, lora_alpha=4,
+                                                                             target_parameters=STACKED))
+    randomize(pm, 3)
+    pm.save_pretrained(tmp_path / "new")
+    path = flipped(tmp_path / "new", tmp_path / "old", version) if fits != "new" else tmp_path / "new"
+    if fits == "new" and version:
+        config = json.loads((path / "adapter_config.json").read_text())
+        (path / "adapter_config.json").write_text(json.dumps({**config, "peft_version": version}))
+    if fits is None:
+        with pytest.raises(ValueError, match=r"fit either way round \(32 inputs and 32 outputs per expert\) and "
+                                             rf"adapter_config.json's peft_version \({version or 'none'}\) does not"):
+            read("qwen3_moe", path, **SQUARE)
+        return
+    spec, adapter = read("qwen3_moe", path, **SQUARE)
+    for layer in range(2):
+        assert_deltas(adapter, spec, *peft_expert_deltas(pm.eval(), "qwen3_moe", layer), layer)
+
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_expert_shards_recombine_into_the_whole(tmp_path, world_size):
+    _, path = stacked_adapter(tmp_path, "qwen3_moe")
+    _, per = per_expert_adapter(tmp_path, "qwen3_moe")
+    for p in (path, per):
+        spec, whole = read("qwen3_moe", p)
+        shards = [read("qwen3_moe", p, k, world_size)[1] for k in range(world_size)]
+        R = spec.max_rank
+        for target in ("experts_gate_up", "experts_down"):
+            t = spec.targets[target]
+            for s in range(t.slices):
+                a, b = whole.a[target][1, s * R : (s + 1) * R], whole.b[target][1]
+                width = t.out_features[s]
+                want = b[s * width : (s + 1) * width] @ a
+                parts = []
+                for k, shard in enumerate(shards):
+                    r0, r1 = t.b_rows(s, k, world_size)
+                    sb, sa = shard.b[target][1], shard.a[target][1, s * R : (s + 1) * R]
+                    parts.append(sb[s * (r1 - r0) : (s + 1) * (r1 - r0)] @ sa)
+                got = torch.cat(parts, 0) if t.parallel == "column" else torch.cat(parts, 1)
+                torch.testing.assert_close(got, want, msg=f"{target} slice {s} at world size {world_size}")
+
+
+def test_refusals_name_what_does_not_fit(tmp_path):
+    s = specs("qwen3_moe", max_expert_rank=1)
+    _, path = stacked_adapter(tmp_path, "qwen3_moe", name="two")
+    with pytest.raises(ValueError, match=r"rank 2 per expert, over this pool's max_rank 1 for experts"):
+        check_adapter_file(s["language_model"], "two", path, [s["experts"]])
+    eight = specs("qwen3_moe", num_experts=8)
+    with pytest.raises(ValueError, match=r"rank 1, but adapter_config.json gives it r=2"):
+        check_adapter_file(eight["language_model"], "two", path, [eight["experts"]])
+    wide = specs("qwen3_moe", moe_intermediate_size=48)
+    with pytest.raises(ValueError, match=r"do not fit 4 experts of 32 inputs and 96 outputs"):
+        check_adapter_file(wide["language_model"], "two", path, [wide["experts"]])
+    _, many = per_expert_adapter(tmp_path, "qwen3_moe", name="many", experts=range(6))
+    four = specs("qwen3_moe")
+    with pytest.raises(ValueError, match=r"mlp.experts.4.down_proj: expert 4 is past the model's 4 experts"):
+        check_adapter_file(four["language_model"], "many", many, [four["experts"]])
+    llama = specs_from_config(model_config("llama"), max_rank=8)["language_model"]
+    with pytest.raises(ValueError, match=r"expert weights, and this model has no experts"):
+        check_adapter_file(llama, "many", many)
+
+
+def test_a_dense_adapter_on_a_moe_model_reads_its_attention(tmp_path):
+    _, path = make_adapter(tmp_path, config={**CONFIGS["qwen3_moe"]}, target_modules=["q_proj", "v_proj"])
+    s = specs("qwen3_moe")
+    check_adapter_file(s["language_model"], "attn", path, [s["experts"]])
+    assert set(LoraAdapterStore(s["experts"], pin=False).read("attn", path).a) == set()
