@@ -172,3 +172,59 @@ def test_a_dense_adapter_on_a_moe_model_reads_its_attention(tmp_path):
     s = specs("qwen3_moe")
     check_adapter_file(s["language_model"], "attn", path, [s["experts"]])
     assert set(LoraAdapterStore(s["experts"], pin=False).read("attn", path).a) == set()
+
+
+ROWS = ["x", None, "y", "x"]
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_a_mixed_batch_routes_tokens_to_experts_under_their_own_adapters(tmp_path, family):
+    """Through the device pool and the op, each row gives PEFT's logits with its adapter, and base rows the
+    base model's: bit for bit where the batch is the same, to rounding in a mixed one (an expert's matmul
+    takes whichever tokens route to it, which other rows' adapters change)."""
+    from mstar.engine.resources.lora import LoraDevicePool
+    from mstar.engine.resources.lora.tools.hf import TokenSlots, attach
+
+    paths = {n: stacked_adapter(tmp_path, family, name=n, seed=i + 1, r=2 + i)[1] for i, n in enumerate("xy")}
+    s = specs(family)
+    pools = {}
+    for node, spec in s.items():
+        store = LoraAdapterStore(spec, pin=False, dtype=torch.float32)
+        pools[node] = LoraDevicePool(spec, 2, dtype=torch.float32)
+        for n, p in paths.items():
+            pools[node].activate(store.read(n, p), keep=list(paths))
+    model = build(family)
+    slots = TokenSlots()
+    assert any(name.endswith("mlp.experts") for name in attach(model, pools, slots))
+    slots.rows = torch.tensor([pools["experts"].slot_of(r) if r else -1 for r in ROWS])
+    ids = torch.randint(1, 60, (len(ROWS), 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = model(ids).logits
+        base = build(family)(ids).logits
+        slots.rows = torch.full((len(ROWS),), -1)
+        assert torch.equal(model(ids).logits, base), "no adapter: the base model, bit for bit"
+    for i, r in enumerate(ROWS):
+        if r is None:
+            torch.testing.assert_close(got[i], base[i], rtol=1e-6, atol=1e-6, msg=f"row {i} is the base model's")
+            continue
+        with torch.no_grad():
+            want = peft.PeftModel.from_pretrained(build(family), paths[r]).eval()(ids[i : i + 1]).logits
+        torch.testing.assert_close(got[i : i + 1], want, rtol=1e-4, atol=1e-4, msg=f"row {i} ({r})")
+        assert (got[i] - base[i]).abs().max() > 1e-3, "the adapter changes its row"
+
+
+def test_inspect_shows_experts_a_row_per_layer_and_check_their_bytes(tmp_path, capsys):
+    from tiny import write_config
+
+    from mstar.engine.resources.lora.tools.cli import main
+
+    config = write_config(tmp_path, CONFIGS["qwen3_moe"])
+    _, path = per_expert_adapter(tmp_path, "qwen3_moe", name="some", experts=(0, 2))
+    assert main(["inspect", str(config), str(path), "--max-rank", "8", "--max-expert-rank", "4"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("model.layers.")]
+    assert len(rows) == 4, "2 layers x 2 expert targets, not 24 modules"
+    assert rows[0][:6] == ["model.layers.0.mlp.experts.*", "experts", "experts_down", "0", "experts", "0,2"]
+    assert main(["check", str(config), str(path), "--max-rank", "8", "--max-expert-rank", "4", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    # each layer: gate_up a [8 slices * 4, 32] + b [8 * 24, 4]; down a [4 * 4, 24] + b [4 * 32, 4]; bf16
+    assert row["expert_bytes"] == row["host_bytes"] == 2 * 2 * (32 * 32 + 192 * 4 + 16 * 24 + 128 * 4)

@@ -74,7 +74,7 @@ def _inspect(spec: LoraSpec, modules: dict[str, ModuleKeys], shape: Callable[[An
     for module, keys in sorted(modules.items()):
         roles = {role: shape(v) for role, v in keys.roles.items()}
         loc = spec.locate(module)
-        if "A" in roles:
+        if "A" in roles and loc is not None:  # another node's module is that node's to size
             rank = max(rank, module_rank(spec, loc, roles["A"]))
         why = refused_roles(module, roles, keys.doubled) or (
             None if loc is None else _unpaired(roles) or misfit(spec, module, roles["A"], roles["B"]))

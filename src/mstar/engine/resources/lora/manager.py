@@ -381,5 +381,8 @@ class LoraManager:
             wait(pending)
 
     def close(self) -> None:
-        """Wait for reads under way and stop the workers."""
+        """Wait for reads under way, stop the workers, and let go of the process group, so that it goes
+        with destroy_process_group rather than whenever the manager is collected (a gloo group destroyed
+        at interpreter exit can abort the process)."""
         self._workers.shutdown(wait=True)
+        self.group = None

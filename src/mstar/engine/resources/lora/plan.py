@@ -101,6 +101,7 @@ class Plan(NamedTuple):
     rank: int  # the largest module rank among the pieces
     modules: tuple[str, ...]
     stacked: tuple[Stacked, ...] = ()  # every expert's factors in one pair, copied a layer at a time
+    owners: tuple[tuple[str, str, bool], ...] = ()  # (module, its target, whether it is in the store's dtype)
 
     def spread(self) -> list[Read]:
         """The staged reads copied piece by piece: all but the B of dense targets."""
@@ -156,7 +157,8 @@ def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
                                                                      for st in stacked]
     return Plan(targets, SKEW + layout.nbytes(targets), _skew(direct, item), tuple(direct), tuple(staged),
                 tuple(dense), tuple(mapped), _batches(direct), _batches(staged), staging, partial,
-                max(ranks, default=0), tuple(module for module, _, _, _ in placed), tuple(stacked))
+                max(ranks, default=0), tuple(module for module, _, _, _ in placed), tuple(stacked),
+                tuple((m, loc.target, A.torch_dtype == layout.dtype) for m, loc, A, _ in placed))
 
 
 def _pieces(placed: list, layout: SlotLayout) -> list[tuple[Piece, Piece]]:

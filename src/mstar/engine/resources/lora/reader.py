@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +19,7 @@ import torch
 from .checkpoint import Checkpoint
 from .experts import stacked_widths
 from .host_memory import HostBuffers
+from .keys import ConvertKeys
 from .layout import SlotLayout
 from .plan import Batch, Piece, Plan, Read, Stacked, plan
 from .spec import as_linear
@@ -30,8 +31,9 @@ Views = dict[str, tuple[torch.Tensor, torch.Tensor]]  # target -> (a, b)
 
 
 def read_layout(ckpt: Checkpoint, layout: SlotLayout, buffers: HostBuffers, staging: HostBuffers,
-                ) -> tuple[int, dict[str, torch.Tensor]]:
-    """(largest rank served, each target's block) for this rank, in one host buffer of the layout's size.
+                ) -> tuple[int, float, dict[str, torch.Tensor]]:
+    """(largest rank served, the slots' scaling, each target's block) for this rank, in one host buffer of
+    the layout's size.
 
     A fresh buffer comes zeroed from the kernel, so padding and untouched layers cost nothing; a
     reused one is zeroed only where the pieces leave it. staging lends the buffer staged bytes pass
@@ -39,8 +41,11 @@ def read_layout(ckpt: Checkpoint, layout: SlotLayout, buffers: HostBuffers, stag
     """
     p = plan(ckpt, layout)
     conv = layout.spec.convert_keys
-    scaling, scalings = ckpt.scaling(conv), ckpt.scalings(conv)
+    scalings = ckpt.scalings(conv)
+    scaling = node_scaling(ckpt, p, conv)
     ratios = {m: scalings[m] / scaling for m in p.modules if scalings[m] != scaling}
+    whole = _whole_folds(p, ratios)
+    ratios = {m: r for m, t, _ in p.owners if (r := ratios.get(m)) is not None and t not in whole}
     buf, fresh = buffers.take(p.nbytes)
     blocks = layout.carve(buf[p.skew :], p.targets)
     views = {name: layout.targets[name].split(block) for name, block in blocks.items()}
@@ -50,7 +55,8 @@ def read_layout(ckpt: Checkpoint, layout: SlotLayout, buffers: HostBuffers, stag
         _copy_stacked(layout, views, st, ckpt.tensor(st.A), ckpt.tensor(st.B), ratios.get(st.module, 1.0))
     if ckpt.tensors is not None:
         _copy_pushed(ckpt, p, buf[p.skew :], views, ratios)
-        return p.rank, blocks
+        _fold_whole(views, whole)
+        return p.rank, scaling, blocks
     stage = staging.take(p.staging)[0] if p.staging else torch.empty(0, dtype=torch.uint8)
     _read(ckpt, [(buf[p.skew :], p.batches), (stage, p.staged_batches)],
           lambda: [_copy_piece(views, q, ckpt.tensor(q.entry)[q.rows[0] : q.rows[1]]) for q in p.mapped])
@@ -67,7 +73,36 @@ def read_layout(ckpt: Checkpoint, layout: SlotLayout, buffers: HostBuffers, stag
         for r in p.direct:
             if r.piece.role == "B" and r.piece.module in ratios:
                 _fold(views, r.piece, None, ratios[r.piece.module])
-    return p.rank, blocks
+    _fold_whole(views, whole)
+    return p.rank, scaling, blocks
+
+
+def node_scaling(ckpt: Checkpoint, p: Plan, conv: ConvertKeys) -> float:
+    """The scaling a node's slots take: the one most of the modules it serves share, the adapter's own
+    (its config's lora_alpha / r) where that is among the most; the rest fold into their B. An expert
+    node of an adapter whose experts have a rank of their own thus folds nothing."""
+    own, scalings = ckpt.scaling(conv), ckpt.scalings(conv)
+    counts = Counter(scalings[m] for m in p.modules)
+    return max(counts, key=lambda s: (counts[s], s == own, -s)) if counts else own
+
+
+def _whole_folds(p: Plan, ratios: dict[str, float]) -> dict[str, float]:
+    """Targets whose every module has one scaling of its own, copied exactly (in the store's dtype): their
+    whole b is folded in place at once (a Qwen3-MoE adapter's experts at a rank of their own: 55,000
+    folds become one a layer)."""
+    seen: dict[str, set[tuple[float, bool]]] = {}
+    for module, target, exact in p.owners:
+        seen.setdefault(target, set()).add((ratios.get(module, 1.0), exact))
+    return {t: next(iter(rs))[0] for t, rs in seen.items() if len(rs) == 1 and next(iter(rs)) != (1.0, True)
+            and next(iter(rs))[1]}
+
+
+def _fold_whole(views: Views, whole: dict[str, float]) -> None:
+    """b scaled in float32 then cast, a layer at a time: exact, as b holds the file's values."""
+    for target, ratio in whole.items():
+        b = views[target][1]
+        for layer in range(b.shape[0]):
+            b[layer].copy_(b[layer].float() * ratio)
 
 
 def _copy_pushed(ckpt: Checkpoint, p: Plan, blocks: torch.Tensor, views: Views, ratios: dict[str, float]) -> None:

@@ -227,7 +227,7 @@ class LoraAdapterStore:
         # The hash (which releases the GIL) runs beside the copy; nothing is returned unless it matches.
         hashing = _HASHER.submit(adapter_digest, ckpt, conv) if digest is not None else None
         try:
-            top, blocks = read_layout(ckpt, self.layout, self._buffers, self._staging)
+            top, scaling, blocks = read_layout(ckpt, self.layout, self._buffers, self._staging)
         finally:
             found = hashing.result() if hashing else None
         if found != digest:
@@ -237,7 +237,7 @@ class LoraAdapterStore:
         views = {t: self.layout.targets[t].split(block) for t, block in blocks.items()}
         a = {t: ab[0] for t, ab in views.items()}
         b = {t: ab[1] for t, ab in views.items()}
-        return LoadedAdapter(ckpt.name, digest, top, ckpt.scaling(conv), a, b, blocks)
+        return LoadedAdapter(ckpt.name, digest, top, scaling, a, b, blocks)
 
     def load(self, name: str, path: str | os.PathLike[str], digest: bytes | None = None) -> LoadedAdapter:
         """Hold name and read it from path unless its copy is in.

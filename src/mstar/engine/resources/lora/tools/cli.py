@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm import tqdm
 
-from ..check import adapter_problems, check_checkpoint, inspect_checkpoint, module_reasons
+from ..check import adapter_problems, check_checkpoint, inspect_checkpoint, module_rank, module_reasons
 from ..checkpoint import Checkpoint, default_name, open_checkpoint
 from ..layout import SlotLayout
 from ..models import presets, specs_from_config
@@ -71,8 +72,9 @@ def _row(specs: dict[str, LoraSpec], name: str, path: str) -> tuple[dict, list[s
 
 
 def module_rows(specs: dict[str, LoraSpec], ckpt: Checkpoint) -> list[dict]:
-    """Each module of the checkpoint as the nodes read it: target, layer, slice, rank and scaling."""
-    rows = []
+    """Each module of the checkpoint as the nodes read it: target, layer, slice, rank and scaling; expert
+    modules one row per target and layer, not thousands."""
+    rows, experts = [], {}
     for node, spec in specs.items():
         scalings = ckpt.scalings(spec.convert_keys)
         for module, keys in sorted(ckpt.modules(spec.convert_keys).items()):
@@ -80,10 +82,27 @@ def module_rows(specs: dict[str, LoraSpec], ckpt: Checkpoint) -> list[dict]:
             if loc is None and len(specs) > 1:
                 continue
             a = keys.roles.get("A")
+            rank = module_rank(spec, loc, a.shape) if a is not None and a.shape else "-"
+            t = spec.targets[loc.target] if loc else None
+            if t is not None and t.experts is not None:
+                per = t.slices // t.experts.count
+                row = experts.setdefault((node, loc.target, loc.layer), {
+                    "module": re.sub(r"\.experts\..*", ".experts.*", module), "node": node, "target": loc.target,
+                    "layer": loc.layer, "experts": set(), "ranks": set(), "scalings": set()})
+                row["experts"].update(range(t.experts.count) if loc.slice is None else [loc.slice // per])
+                row["ranks"].add(rank)
+                row["scalings"].add(f"{scalings[module]:g}")
+                continue
             where = {"target": "-", "layer": "-", "slice": "-"} if loc is None else \
                 {"target": loc.target, "layer": loc.layer, "slice": _slices(loc.slice)}
-            rows.append({"module": module, "node": node, **where, "scaling": f"{scalings[module]:g}",
-                         "rank": a.shape[0] if a is not None and a.shape else "-"})
+            rows.append({"module": module, "node": node, **where, "scaling": f"{scalings[module]:g}", "rank": rank})
+    for row in experts.values():
+        found = sorted(row.pop("experts"))
+        row["slice"] = f"{len(found)} experts" if found == list(range(len(found))) else \
+            f"experts {','.join(map(str, found))}"
+        row["rank"] = ",".join(map(str, sorted(row.pop("ranks"))))
+        row["scaling"] = ",".join(sorted(row.pop("scalings")))
+        rows.append(row)
     return rows
 
 
@@ -92,7 +111,7 @@ def _slices(s: int | tuple[int, ...] | None) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    specs = specs_from_config(args.model, max_rank=args.max_rank)
+    specs = specs_from_config(args.model, max_rank=args.max_rank, max_expert_rank=args.max_expert_rank)
     adapters = _adapters(args.adapters)
     per_module = args.modules or len(adapters) == 1
     rows = []
@@ -114,7 +133,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    specs = specs_from_config(args.model, max_rank=args.max_rank)
+    specs = specs_from_config(args.model, max_rank=args.max_rank, max_expert_rank=args.max_expert_rank)
     adapters = _adapters(args.adapters)
     if args.serving:
         adapters.update(serving_config(args.serving))
@@ -122,7 +141,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print("mstar-lora check: no adapters named (ADAPTER arguments or --serving FILE)", file=sys.stderr)
         return 2
     nodes = list(specs.values())
-    layouts = [SlotLayout(spec, dtype=spec.dtype) for spec in nodes]
+    layouts = {name: SlotLayout(spec, dtype=spec.dtype) for name, spec in specs.items()}
     rows, bad, total = [], [], 0
     for name, path in tqdm(adapters.items(), desc="checking", unit="adapter", disable=None, file=sys.stderr):
         row, problems, ckpt = _row(specs, name, path)
@@ -130,8 +149,11 @@ def cmd_check(args: argparse.Namespace) -> int:
             if problems:
                 raise ckpt.refusal(problems) if ckpt is not None else ValueError(problems[0])
             row["digest"] = check_checkpoint(nodes[0], ckpt, nodes[1:]).hex()[:16]
-            row["host_bytes"] = sum(host_bytes(ckpt, layout) for layout in layouts)
+            row["host_bytes"] = sum(host_bytes(ckpt, layout) for layout in layouts.values())
             row["host bytes"] = size(row["host_bytes"])
+            if "experts" in layouts:
+                row["expert_bytes"] = host_bytes(ckpt, layouts["experts"])
+                row["expert bytes"] = size(row["expert_bytes"])
             total += row["host_bytes"]
             row["verdict"] = "ok"
         except ValueError as e:
@@ -140,9 +162,11 @@ def cmd_check(args: argparse.Namespace) -> int:
             bad.append(str(e))
         rows.append(row)
     if args.json:
-        print(json.dumps([{k: v for k, v in r.items() if k != "host bytes"} for r in rows], indent=2))
+        print(json.dumps([{k: v for k, v in r.items() if k not in ("host bytes", "expert bytes")} for r in rows],
+                         indent=2))
     else:
-        print(table(rows, ["adapter", "rank", "targets", "size", "host bytes", "digest", "verdict"]))
+        extra = ["expert bytes"] if "experts" in layouts else []
+        print(table(rows, ["adapter", "rank", "targets", "size", "host bytes", *extra, "digest", "verdict"]))
         print(f"\nhost bytes of the {len(rows) - len(bad)} adapters served: {size(total)} at max_rank "
               f"{args.max_rank} ({total} bytes, world size 1, {nodes[0].dtype})")
     if bad:
@@ -182,6 +206,8 @@ def parser() -> argparse.ArgumentParser:
         c.add_argument("adapters", nargs="+" if name == "inspect" else "*", metavar="ADAPTER",
                        help="an adapter directory or safetensors file, optionally NAME=PATH")
         c.add_argument("--max-rank", type=int, default=64, help="the pool's max_rank (default 64)")
+        c.add_argument("--max-expert-rank", type=int, help="a mixture of experts' max_rank for experts "
+                                                          "(default: --max-rank)")
         c.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "check":
             c.add_argument("--serving", help="a JSON file mapping adapter names to paths")

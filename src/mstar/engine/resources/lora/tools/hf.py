@@ -87,8 +87,11 @@ def shard_base(base: nn.Module, t: LoraTarget, slice_: int | None, rank: int, wo
 
 
 def attach(model: nn.Module, pools: Mapping[str, LoraDevicePool], slots: TokenSlots) -> list[str]:
-    """Replace every module of model that a pool's spec maps with a LoraLayer; their names."""
-    done = []
+    """Replace every module of model that a pool's spec maps with a LoraLayer, and with an experts pool
+    every experts module with a LoraExperts; their names."""
+    from .hf_experts import attach_experts
+
+    done = attach_experts(model, pools["experts"], slots) if "experts" in pools else []
     for name, module in list(model.named_modules()):
         if not isinstance(module, (nn.Linear, nn.Conv3d)):
             continue

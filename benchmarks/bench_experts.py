@@ -1,0 +1,117 @@
+"""Reading a Qwen3-30B-A3B-shaped expert adapter, against a memcpy of its bytes; its host bytes per rank.
+
+Run: .venv/bin/python benchmarks/bench_experts.py
+The adapter puts rank 2 on every expert's gate, up and down (128 experts, 48 layers) and rank 16 on
+q, k, v and o, in bf16, saved two ways: as transformers 4's per-expert modules (36,864 expert tensors)
+and as PEFT's stacked target_parameters factors (one pair per layer and projection). The pool's
+max_rank is 16 for attention and 2 for experts. Ratios of medians of 9 interleaved runs, in one run;
+"warm" is a header seen before, as after the startup check.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cold, ms, settle_writes, side_by_side
+
+from mstar.engine.resources.lora import LoraAdapterStore, check_adapter_file, specs_from_config
+from mstar.engine.resources.lora.checkpoint import open_checkpoint
+from mstar.engine.resources.lora.layout import SlotLayout
+from mstar.engine.resources.lora.plan import host_bytes
+
+PRESET, R, R_EXPERT = "qwen3-30b-a3b", 16, 2
+PREFIX = "base_model.model.model.layers"
+
+
+def write(root: Path, stacked: bool) -> Path:
+    from mstar.engine.resources.lora.models import load_config
+
+    c = load_config(PRESET)
+    hidden, inter, layers = c["hidden_size"], c["moe_intermediate_size"], c["num_hidden_layers"]
+    count = c["num_experts"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    tensors = {}
+    for layer in range(layers):
+        for proj, fan_in, fan_out in (("q_proj", hidden, q), ("k_proj", hidden, kv), ("v_proj", hidden, kv),
+                                      ("o_proj", q, hidden)):
+            key = f"{PREFIX}.{layer}.self_attn.{proj}"
+            tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = rand(R, fan_in), rand(fan_out, R)
+        experts = f"{PREFIX}.{layer}.mlp.experts"
+        if stacked:
+            tensors[f"{experts}.base_layer.lora_A.weight"] = rand(R_EXPERT * count, hidden)
+            tensors[f"{experts}.base_layer.lora_B.weight"] = rand(2 * inter, R_EXPERT * count)
+            tensors[f"{experts}.lora_A.weight"] = rand(R_EXPERT * count, inter)
+            tensors[f"{experts}.lora_B.weight"] = rand(hidden, R_EXPERT * count)
+            continue
+        for e in range(count):
+            for proj, fan_in, fan_out in (("gate_proj", hidden, inter), ("up_proj", hidden, inter),
+                                          ("down_proj", inter, hidden)):
+                key = f"{experts}.{e}.{proj}"
+                tensors[f"{key}.lora_A.weight"] = rand(R_EXPERT, fan_in)
+                tensors[f"{key}.lora_B.weight"] = rand(fan_out, R_EXPERT)
+    path = root / ("stacked" if stacked else "per-expert")
+    path.mkdir()
+    save_file(tensors, path / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "r": R, "lora_alpha": 2 * R, "peft_version": "0.21.2",
+              "rank_pattern": {"gate_up_proj": R_EXPERT, "down_proj": R_EXPERT, "gate_proj": R_EXPERT,
+                               "up_proj": R_EXPERT},
+              "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+class Memcpy:
+    def __init__(self, file: Path) -> None:
+        self.src = torch.frombuffer(bytearray(file.read_bytes()), dtype=torch.uint8)
+        self.dst = torch.zeros_like(self.src)
+
+    def __call__(self) -> None:
+        self.dst.copy_(self.src)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp())
+    atexit.register(shutil.rmtree, root, True)
+    specs = specs_from_config(PRESET, max_rank=R, max_expert_rank=R_EXPERT)
+    paths = {"per-expert": write(root, False), "stacked": write(root, True)}
+    settle_writes()
+    for kind, path in paths.items():
+        file = path / "adapter_model.safetensors"
+        digest = check_adapter_file(specs["language_model"], kind, path, [specs["experts"]])
+        stores = {n: LoraAdapterStore(s, pin=False) for n, s in specs.items()}
+
+        def read(stores=stores, path=path, name=kind):
+            return [s.read(name, path) for s in stores.values()]
+
+        t = side_by_side({"cold": cold(read), "warm": read, "memcpy": Memcpy(file)}, repeat=9)
+        adapters = read()
+        layout_bytes = sum(a.nbytes for a in adapters)
+        print(f"{kind}: file {file.stat().st_size / 1e6:.0f} MB, {len(open_checkpoint(path).header.tensors)} "
+              f"tensors; layout {layout_bytes / 1e6:.0f} MB (experts {adapters[1].nbytes / 1e6:.0f} MB)")
+        print(f"  read (both nodes) cold {ms(t['cold'])}, warm {ms(t['warm'])}; memcpy of the file {ms(t['memcpy'])} "
+              f"-> {t['cold'] / t['memcpy']:.2f}x cold, {t['warm'] / t['memcpy']:.2f}x warm")
+        assert digest
+    ckpt = open_checkpoint(paths["stacked"])
+    for ws in (1, 2, 4, 8):
+        per_node = {n: host_bytes(ckpt, SlotLayout(s, 0, ws, s.dtype)) for n, s in specs.items()}
+        print(f"host bytes per rank at world size {ws}: experts {per_node['experts'] / 1e6:.1f} MB, attention "
+              f"{per_node['language_model'] / 1e6:.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
