@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cold, ms, settle_writes, side_by_side
+from common import Memcpy, cold, ms, settle_writes, side_by_side
 
 from mstar.engine.resources.lora import LoraAdapterStore, check_adapter_file, specs_from_config
 from mstar.engine.resources.lora.checkpoint import open_checkpoint
@@ -72,15 +72,6 @@ def write(root: Path, stacked: bool) -> Path:
               "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
     (path / "adapter_config.json").write_text(json.dumps(config))
     return path
-
-
-class Memcpy:
-    def __init__(self, file: Path) -> None:
-        self.src = torch.frombuffer(bytearray(file.read_bytes()), dtype=torch.uint8)
-        self.dst = torch.zeros_like(self.src)
-
-    def __call__(self) -> None:
-        self.dst.copy_(self.src)
 
 
 def main() -> None:

@@ -20,21 +20,10 @@ import safetensors.torch
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cold, llama8b_spec, ms, side_by_side, status_kb, verdict, write_adapters
+from common import Memcpy, cold, llama8b_spec, ms, side_by_side, status_kb, verdict, write_adapters
 
 from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_file, inspect_adapter
 from mstar.engine.resources.lora.tools.samples import sample_modules, write_peft_adapter
-
-
-class Memcpy:
-    """A plain copy of the file's bytes, already in memory, into memory already faulted."""
-
-    def __init__(self, file: Path) -> None:
-        self.src = torch.frombuffer(bytearray(file.read_bytes()), dtype=torch.uint8)
-        self.dst = torch.zeros_like(self.src)
-
-    def __call__(self) -> None:
-        self.dst.copy_(self.src)
 
 
 class LoadFileAndCopy:

@@ -29,6 +29,17 @@ def write_adapters(root: Path) -> tuple[Path, Path]:
     return large, small
 
 
+class Memcpy:
+    """A plain copy of the file's bytes, already in memory, into memory already faulted."""
+
+    def __init__(self, file: Path) -> None:
+        self.src = torch.frombuffer(bytearray(file.read_bytes()), dtype=torch.uint8)
+        self.dst = torch.zeros_like(self.src)
+
+    def __call__(self) -> None:
+        self.dst.copy_(self.src)
+
+
 def settle_writes() -> None:
     """Files just written are flushed before anything is timed: their writeback would otherwise run,
     disk and CPU, beside the first measurements (it made reads of 16.8 MB take 27 ms, not 3)."""
