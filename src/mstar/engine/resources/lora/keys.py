@@ -85,6 +85,7 @@ def trainer_key(key: str, flat: Mapping[str, str]) -> tuple[str, str]:
             return split_key(key.removeprefix(prefix))
     return split_key(key)
 
+
 class ModuleKeys(NamedTuple):
     """One module's tensors (entries, or shapes) by role, and each further key read as a role it
     already has: two weights for one place, of which neither is trusted."""

@@ -66,13 +66,10 @@ def read_layout(ckpt: Checkpoint, layout: SlotLayout, buffers: HostBuffers, stag
         _copy_rows(b[..., : d.rank], stage[d.at : d.at + math.prod(shape) * d.dtype.itemsize].view(d.dtype).view(shape))
     for r in p.spread():
         _copy_piece(views, r.piece, _rows(stage, r))
-    if ratios:  # a module's own scaling is folded into its B, in float32 before the cast
-        for r in p.staged:
-            if r.piece.role == "B" and r.piece.module in ratios:
-                _fold(views, r.piece, _rows(stage, r), ratios[r.piece.module])
-        for r in p.direct:
-            if r.piece.role == "B" and r.piece.module in ratios:
-                _fold(views, r.piece, None, ratios[r.piece.module])
+    for r in p.staged:  # a module's own scaling is folded into its B, in float32 before the cast
+        if r.piece.role == "B" and r.piece.module in ratios:
+            _fold(views, r.piece, _rows(stage, r), ratios[r.piece.module])
+    _fold_direct(p, views, ratios)
     _fold_whole(views, whole)
     return p.rank, scaling, blocks
 
@@ -93,8 +90,13 @@ def _whole_folds(p: Plan, ratios: dict[str, float]) -> dict[str, float]:
     seen: dict[str, set[tuple[float, bool]]] = {}
     for module, target, exact in p.owners:
         seen.setdefault(target, set()).add((ratios.get(module, 1.0), exact))
-    return {t: next(iter(rs))[0] for t, rs in seen.items() if len(rs) == 1 and next(iter(rs)) != (1.0, True)
-            and next(iter(rs))[1]}
+    whole = {}
+    for target, kinds in seen.items():
+        if len(kinds) == 1:
+            ((ratio, exact),) = kinds
+            if exact and ratio != 1.0:
+                whole[target] = ratio
+    return whole
 
 
 def _fold_whole(views: Views, whole: dict[str, float]) -> None:
@@ -129,7 +131,12 @@ def _copy_pushed(ckpt: Checkpoint, p: Plan, blocks: torch.Tensor, views: Views, 
     finally:
         if other is not None:
             other.result()
-    for r in p.direct:  # a module's own scaling is folded into its B, in float32 before the cast
+    _fold_direct(p, views, ratios)
+
+
+def _fold_direct(p: Plan, views: Views, ratios: dict[str, float]) -> None:
+    """A module's own scaling folded into the B its direct reads copied exactly, in float32 before the cast."""
+    for r in p.direct:
         if r.piece.role == "B" and r.piece.module in ratios:
             _fold(views, r.piece, None, ratios[r.piece.module])
 

@@ -13,7 +13,7 @@ import torch
 from ..spec import LoraSpec
 from .decoder import decoder_spec, phi3_spec
 from .flux import flux_specs
-from .moe import moe_specs
+from .moe import FAMILIES, moe_specs
 from .qwen2_vl import qwen2_5_vl_specs, qwen2_vl_specs
 from .wan import wan_specs
 
@@ -49,11 +49,8 @@ BUILDERS: dict[str, Builder] = {
     "qwen2_5_vl": qwen2_5_vl_specs,
     "wan": wan_specs,
     "flux": flux_specs,
-    "qwen3_moe": _moe("qwen3_moe"),
-    "mixtral": _moe("mixtral"),
-    "gpt_oss": _moe("gpt_oss"),
+    **{family: _moe(family) for family in FAMILIES},  # these builders take max_expert_rank
 }
-MIXTURES = ("qwen3_moe", "mixtral", "gpt_oss")  # their builders take max_expert_rank
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -122,7 +119,7 @@ def specs_from_config(
     default max_rank, for a mixture of experts); every node serves the same adapters."""
     raw = load_config(config)
     kind = model_type(raw)
-    extra = {"max_expert_rank": max_expert_rank} if kind in MIXTURES else {}
+    extra = {"max_expert_rank": max_expert_rank} if kind in FAMILIES else {}
     try:
         return BUILDERS[kind](raw, max_rank=max_rank, capacity=capacity, adapters=dict(adapters or {}), dtype=dtype,
                               **extra)
