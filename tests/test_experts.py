@@ -4,6 +4,7 @@ PEFT has written, and what cannot be read for sure is refused by name."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import peft
 import pytest
@@ -22,7 +23,7 @@ from moe import (
 from safetensors.torch import load_file, save_file
 from tiny import make_adapter, model_config
 
-from mstar.engine.resources.lora import LoraAdapterStore, check_adapter_file, specs_from_config
+from mstar.engine.resources.lora import LoraAdapterStore, LoraManager, Request, check_adapter_file, specs_from_config
 
 
 def specs(family, max_rank=8, max_expert_rank=4, **over):
@@ -228,3 +229,25 @@ def test_inspect_shows_experts_a_row_per_layer_and_check_their_bytes(tmp_path, c
     (row,) = json.loads(capsys.readouterr().out)
     # each layer: gate_up a [8 slices * 4, 32] + b [8 * 24, 4]; down a [4 * 4, 24] + b [4 * 32, 4]; bf16
     assert row["expert_bytes"] == row["host_bytes"] == 2 * 2 * (32 * 32 + 192 * 4 + 16 * 24 + 128 * 4)
+
+
+def test_a_manager_serves_experts_at_their_own_max_rank(tmp_path):
+    """LoraManager.build gives the experts node max_expert_rank, and an admitted request's slot holds
+    PEFT's deltas for every expert."""
+    pm, path = stacked_adapter(tmp_path, "qwen3_moe")
+    manager = LoraManager.build(CONFIGS["qwen3_moe"], max_rank=8, max_expert_rank=4, host_capacity=2, slots=2,
+                                dtype=torch.float32, pin=False)
+    try:
+        assert manager.stores["experts"].spec.max_rank == 4 and manager.stores["language_model"].spec.max_rank == 8
+        manager.register("ad", path)
+        manager.step([], [Request(0, "ad")])
+        manager.wait_for_reads()
+        step = manager.step([], [Request(0, "ad")])
+        assert step.admitted == [0]
+        pool, slot = manager.pools["experts"], step.slot[0]
+        in_slot = SimpleNamespace(a={t: pool.a[t][slot] for t in pool.a}, b={t: pool.b[t][slot] for t in pool.b},
+                                  scaling=float(pool.scaling[slot]))
+        for layer in range(2):
+            assert_deltas(in_slot, pool.spec, *peft_expert_deltas(pm, "qwen3_moe", layer), layer, f"layer {layer}")
+    finally:
+        manager.close()

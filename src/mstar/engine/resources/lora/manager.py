@@ -104,10 +104,12 @@ class LoraManager:
     def build(cls, config: Any, *, max_rank: int, host_capacity: int, slots: int, device: str | torch.device = "cpu",
               rank: int = 0, world_size: int = 1, group: dist.ProcessGroup | None = None,
               dtype: torch.dtype = torch.bfloat16, pin: bool | None = None, read_workers: int = 4,
-              host_bytes: int | None = None) -> LoraManager:
+              host_bytes: int | None = None, max_expert_rank: int | None = None) -> LoraManager:
         """A manager with a store and a pool for every node of the model config describes; host_bytes,
-        if given, is each store's byte budget beside its count."""
-        specs = specs_from_config(config, max_rank=max_rank, capacity=host_capacity, dtype=dtype)
+        if given, is each store's byte budget beside its count; max_expert_rank a mixture of experts'
+        experts node's max_rank (default max_rank)."""
+        specs = specs_from_config(config, max_rank=max_rank, capacity=host_capacity, dtype=dtype,
+                                  max_expert_rank=max_expert_rank)
         stores = {n: LoraAdapterStore(s, rank, world_size, pin=pin, max_bytes=host_bytes) for n, s in specs.items()}
         pools = {n: LoraDevicePool(s, slots, device, rank, world_size) for n, s in specs.items()}
         return cls(stores, pools, group=group, read_workers=read_workers)
