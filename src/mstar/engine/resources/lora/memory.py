@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,7 @@ def tensor_checkpoint(name: str, tensors: Mapping[str, torch.Tensor], config: An
 def _header(listing: tuple[tuple[str, str, tuple[int, ...]], ...]) -> Header:
     entries, at = {}, 0
     for key, dtype, shape in listing:
-        n = DTYPES[dtype].itemsize
-        for d in shape:
-            n *= d
+        n = DTYPES[dtype].itemsize * math.prod(shape)
         entries[key] = TensorEntry(dtype, shape, at, at + n)
         at += n
     return Header(entries, {}, 0, at)

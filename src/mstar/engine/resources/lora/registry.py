@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -43,13 +43,11 @@ class Registry:
         self._keys: set[str] = set()  # the current versions' keys
         self._failed: dict[str, ValueError] = {}
 
-    def register(self, version: Version) -> bool:
-        """Make version its name's current one; True when that changes the weights served (a reload)."""
-        old = self._current.get(version.name)
+    def register(self, version: Version) -> None:
+        """Make version its name's current one (a reload where the name had another)."""
         self.unregister(version.name)
         self._current[version.name] = version
         self._keys.add(version.key)
-        return old is not None and old.digest != version.digest
 
     def unregister(self, name: str) -> None:
         old = self._current.pop(name, None)
@@ -73,9 +71,6 @@ class Registry:
         """version could not be read: new requests for its name are refused with error, if it is current."""
         if self._current.get(version.name) == version:
             self._failed[version.name] = error
-
-    def current(self) -> Iterator[Version]:
-        return iter(self._current.values())
 
     def __contains__(self, name: object) -> bool:
         return name in self._current
