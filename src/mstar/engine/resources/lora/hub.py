@@ -54,4 +54,3 @@ def resolve(source: str | os.PathLike[str]) -> Path:
                          "reached (offline, or no network)") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"{source}: {at}Hub repo {repo!r} could not be fetched ({e})") from None
-

@@ -78,4 +78,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
     return sorted(value) if isinstance(value, (set, frozenset)) else value
-

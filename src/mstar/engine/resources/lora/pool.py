@@ -132,4 +132,3 @@ class LoraDevicePool:
                     f"pool's slots are {self.dtype} {list(self.a[name].shape[1:])} / {list(self.b[name].shape[1:])}"
                     " (another max_rank, rank or world size?)"
                 )
-
