@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -18,6 +17,7 @@ from . import hub
 from .adapter_config import AdapterConfig, parse_config, read_config
 from .keys import PEFT_PREFIX, ConvertKeys, ModuleKeys, group_keys
 from .safetensors_header import FLOAT_DTYPES, Header, TensorEntry, read_header
+from .source import FileSource
 from .spec import as_linear
 
 WEIGHTS = "adapter_model.safetensors"
@@ -42,9 +42,16 @@ def refusal(name: str, path: str | os.PathLike[str], reasons: Iterable[str]) -> 
 
 
 def locate_files(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
-    """(weights, config) of a PEFT adapter directory, or of a safetensors file (config beside it
-    if there is one: a trainer's single file carries its alphas itself)."""
-    p = Path(path)
+    """(weights, config) of a PEFT adapter directory, or of a safetensors file. A file named on its
+    own is read with what it carries (its metadata, its alpha tensors): a config beside it is taken
+    only for PEFT's adapter_model.safetensors, so one adapter's config never reads another's file."""
+    try:
+        return _locate(Path(path))
+    except OSError as e:  # a name over NAME_MAX, a folder that cannot be listed
+        raise ValueError(f"cannot be opened ({e.strerror or e})") from None
+
+
+def _locate(p: Path) -> tuple[Path, Path | None]:
     if p.is_dir():
         weights = p / WEIGHTS
         if not weights.is_file():
@@ -62,7 +69,7 @@ def locate_files(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
     else:
         raise ValueError("no such file or directory")
     config = weights.parent / CONFIG
-    return weights, config if config.is_file() else None
+    return weights, config if weights.name == WEIGHTS and config.is_file() else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,37 +87,35 @@ class Checkpoint:
     header: Header
     config: AdapterConfig | None
     tensors: Mapping[str, torch.Tensor] | None = None
+    source: FileSource | None = None  # the weights file, open from its header on, for this checkpoint's reads
 
     def refusal(self, reasons: Iterable[str]) -> ValueError:
         return refusal(self.name, self.weights, reasons)
 
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Let go of the file (a checkpoint's reads are over); it is also let go when collected."""
+        if self.source is not None:
+            self.source.close()
+
     def tensor(self, e: TensorEntry) -> torch.Tensor:
-        """The tensor e describes, as a linear's [rows, columns]: the pushed one, or a view of the mapped
-        file (read when used)."""
+        """The tensor e describes, as a linear's [rows, columns]: the pushed one, or its bytes read from the
+        file (for the few small tensors read on their own, such as alphas)."""
         if self.tensors is not None:
             return self.tensors[self._keys[e.start]].detach().reshape(as_linear(e.shape))
-        count = math.prod(e.shape)
-        return torch.frombuffer(self._mapped, dtype=e.torch_dtype, count=count, offset=e.start).view(as_linear(e.shape))
+        data = self.source.read(e.nbytes, e.start)
+        if len(data) != e.nbytes:
+            raise self.refusal(["the file ended early: it was cut since its header was read"])
+        return torch.frombuffer(bytearray(data), dtype=e.torch_dtype).view(as_linear(e.shape))
 
     @cached_property
     def _keys(self) -> dict[int, str]:
         return {e.start: key for key, e in self.header.tensors.items()}
-
-    @cached_property
-    def _mapped(self) -> mmap.mmap:
-        return self.mapping()
-
-    def mapping(self) -> mmap.mmap:
-        """The weights file mapped copy-on-write: writable for torch.frombuffer, never written back.
-
-        Never closed by hand: torch.frombuffer keeps a reference to the map but no buffer export, so
-        closing it would leave any view still alive (one held by a traceback, say) pointing at
-        unmapped memory. The mapping goes when its last reference does.
-        """
-        with open(self.weights, "rb") as f:
-            if os.fstat(f.fileno()).st_size != self.size:
-                raise self.refusal(["the file changed size since its header was read"])
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
 
     @property
     def size(self) -> int:
@@ -168,7 +173,7 @@ class Checkpoint:
         out: dict[str, float] = {}
         for module, e in self.header.memo[key].items():
             try:
-                out[module] = alpha_value(e, self.tensor(e))
+                out[module] = alpha_value(e, self.tensor)
             except ValueError as err:
                 raise self.refusal([f"module {module}: {err}"]) from None
         return out
@@ -178,12 +183,12 @@ class Checkpoint:
         return {}
 
 
-def alpha_value(e: TensorEntry, tensor: torch.Tensor) -> float:
-    """The value of a one-element tensor (a trainer's alpha): a float, or an integer, as several kohya and
-    musubi scripts store it and kohya's loaders, diffusers and ComfyUI read it."""
+def alpha_value(e: TensorEntry, read: Callable[[TensorEntry], torch.Tensor]) -> float:
+    """The value of a one-element tensor (a trainer's alpha), read only once it is one: a float, or an
+    integer, as several kohya and musubi scripts store it and kohya's loaders, diffusers and ComfyUI read it."""
     if e.dtype not in NUMBER_DTYPES or math.prod(e.shape) != 1:
         raise ValueError(f"an alpha must be one number, not {e.dtype} {list(e.shape)}")
-    value = tensor.item()
+    value = read(e).item()
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"alpha {value} is not a finite, non-negative number")
     return value
@@ -198,14 +203,28 @@ def default_name(path: str | os.PathLike[str]) -> str:
 
 
 def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Checkpoint:
-    """The checkpoint at path with its header and config checked; ValueError naming adapter and file."""
+    """The checkpoint at path with its header and config checked, its weights file held open so that every
+    later read of it reads that one file; ValueError naming adapter and file. Close it when done (it is a
+    context manager)."""
     name = name or default_name(path)
     try:
         weights, config_path = locate_files(hub.resolve(path))
     except ValueError as e:
         raise refusal(name, path, [str(e)]) from None
     try:
-        header = read_header(weights)
+        source = FileSource(weights)
+    except OSError as e:
+        raise refusal(name, weights, [f"cannot be opened ({e.strerror or e})"]) from None
+    try:
+        return _checkpoint(name, weights, config_path, source)
+    except BaseException:
+        source.close()
+        raise
+
+
+def _checkpoint(name: str, weights: Path, config_path: Path | None, source: FileSource) -> Checkpoint:
+    try:
+        header = read_header(source)
     except (ValueError, OSError) as e:
         raise refusal(name, weights, [f"bad safetensors file: {e}"]) from None
     try:
@@ -220,7 +239,7 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
     if config is None and any(k.startswith(PEFT_PREFIX) for k in header.tensors):
         why = f"a PEFT checkpoint with no {CONFIG} beside it, so its rank and alpha are unknown"
         raise refusal(name, weights, [why])
-    return Checkpoint(name, weights, header, config)
+    return Checkpoint(name, weights, header, config, source=source)
 
 
 def metadata_config(header: Header) -> AdapterConfig | None:
@@ -230,7 +249,11 @@ def metadata_config(header: Header) -> AdapterConfig | None:
         return None
     try:
         packed = json.loads(raw)
+        if not isinstance(packed, dict):
+            raise ValueError("not a JSON object")
         fields = {k.removeprefix("transformer."): v for k, v in packed.items() if k.startswith("transformer.")}
         return parse_config(fields, source=DIFFUSERS_METADATA) if fields else None
-    except (ValueError, AttributeError) as e:
+    except RecursionError:
+        raise ValueError(f"{DIFFUSERS_METADATA} in its metadata nests too deeply to be a LoRA config") from None
+    except ValueError as e:
         raise ValueError(f"{DIFFUSERS_METADATA} in its metadata is not a LoRA config ({e})") from None

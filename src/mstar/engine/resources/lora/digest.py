@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import json
-import mmap
+import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import blake3
 import torch
@@ -13,23 +14,24 @@ import torch
 from .checkpoint import Checkpoint
 from .keys import ConvertKeys
 from .safetensors_header import TensorEntry
+from .source import FileSource
 
 # Bumped whenever what the digest covers changes, so old and new digests never collide.
 DOMAIN = b"mstar-lora adapter digest v1\0"
 HASH_ON_EVERY_CORE = blake3.blake3.AUTO
 
 
-def adapter_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, mm: mmap.mmap | None = None, *,
-                   threads: int = HASH_ON_EVERY_CORE) -> bytes:
+def adapter_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, *, threads: int = HASH_ON_EVERY_CORE,
+                   snapshot: torch.Tensor | None = None) -> bytes:
     """The BLAKE3 digest of every module's name, role, dtype, shape and scaling, in name order, and of
     their bytes in that order.
 
     So it is the same on every node, rank and world size whatever the file's tensor order, and
-    changes with any served byte or scaling.
+    changes with any served byte or scaling. The bytes are snapshot's where given (a read's copy of
+    every byte, laid out at the header's offsets), else read from the checkpoint's open file, never
+    mapped: a file cut meanwhile ends the hash with a refusal, not a SIGBUS.
     """
-    if mm is None and checkpoint.tensors is None:
-        mm = checkpoint.mapping()
-    data = data_digest(checkpoint, convert_keys, mm, threads)
+    data = data_digest(checkpoint, convert_keys, threads, snapshot)
     head = manifest(checkpoint, convert_keys)
     return blake3.blake3(DOMAIN + len(head).to_bytes(8, "little") + head + data).digest()
 
@@ -47,11 +49,11 @@ def manifest(checkpoint: Checkpoint, convert_keys: ConvertKeys) -> bytes:
     return checkpoint.header.memo[key]
 
 
-def data_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, mm: mmap.mmap | None,
-                threads: int = HASH_ON_EVERY_CORE) -> bytes:
+def data_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, threads: int = HASH_ON_EVERY_CORE,
+                snapshot: torch.Tensor | None = None) -> bytes:
     """The BLAKE3 of the tensors' bytes in name order. Runs that lie in the file in that order (all
     of them, for a file safetensors wrote) are hashed as one range, on threads cores, GIL released;
-    pushed tensors are hashed one by one, from their own memory."""
+    pushed tensors without a snapshot are hashed one by one, from their own memory."""
     key = ("hash order", convert_keys)
     if key not in checkpoint.header.memo:
         modules = sorted(checkpoint.modules(convert_keys).items())
@@ -59,17 +61,45 @@ def data_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, mm: mmap.mmap
         checkpoint.header.memo[key] = order, list(_runs(order))
     order, runs = checkpoint.header.memo[key]
     h = blake3.blake3(max_threads=threads)
-    if checkpoint.tensors is not None:
-        for e in order:
-            _update(h, checkpoint.tensor(e))
-        return h.digest()
-    view = memoryview(mm)
-    try:
+    if snapshot is not None:
+        view = memoryview((ctypes.c_char * snapshot.numel()).from_address(snapshot.data_ptr())).cast("B")
         for start, stop in runs:
             h.update(view[start:stop])
-    finally:
-        view.release()
+    elif checkpoint.tensors is not None:
+        for e in order:
+            _update(h, checkpoint.tensor(e))
+    else:
+        try:
+            _stream(checkpoint.source, runs, h)
+        except ValueError as e:
+            raise checkpoint.refusal([str(e)]) from None
     return h.digest()
+
+
+CHUNK = 8 << 20  # a file is hashed through two buffers of this, one filling while the other is hashed
+_PREFETCH = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="mstar-lora-hash-read")
+
+
+def _stream(source: FileSource, runs: list[tuple[int, int]], h: blake3.blake3) -> None:
+    """h fed the runs' bytes read from source, the next chunk read while this one is hashed."""
+    chunks = [(at, min(CHUNK, stop - at)) for start, stop in runs for at in range(start, stop, CHUNK)]
+    buffers = [bytearray(min(CHUNK, max((n for _, n in chunks), default=0))) for _ in range(2)]
+
+    def fill(i: int) -> memoryview:
+        at, n = chunks[i]
+        view = memoryview(buffers[i % 2])[:n]
+        source.read_into([view], at)
+        return view
+
+    pending = _PREFETCH.submit(fill, 0) if chunks else None
+    try:
+        for i in range(len(chunks)):
+            view = pending.result()
+            pending = _PREFETCH.submit(fill, i + 1) if i + 1 < len(chunks) else None
+            h.update(view)
+    finally:  # no read may still be filling a buffer once this returns
+        if pending is not None:
+            pending.exception()
 
 
 def _update(h: blake3.blake3, t: torch.Tensor) -> None:

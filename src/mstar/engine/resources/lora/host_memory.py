@@ -30,14 +30,16 @@ class HostBuffers:
         if pin:
             weakref.finalize(self, _unpin_all, self._maps)
 
-    def take(self, nbytes: int) -> tuple[torch.Tensor, bool]:
-        """A uint8 buffer of nbytes and whether it is fresh (zeroed by the kernel) or reused (not)."""
+    def take(self, nbytes: int, exact: bool = True) -> tuple[torch.Tensor, bool]:
+        """A uint8 buffer of nbytes and whether it is fresh (zeroed by the kernel) or reused (not). Not
+        exact, it may be an unviewed one up to twice as large (a staging buffer, whose size varies)."""
         size = max(nbytes, 1)
         with self._lock:
             unviewed = [i for i in range(len(self._maps)) if self._unviewed(i)]
-            for i in unviewed:
-                if len(self._maps[i]) == size:
-                    return torch.frombuffer(self._maps[i], dtype=torch.uint8), False
+            fits = sorted((len(self._maps[i]), i) for i in unviewed
+                          if len(self._maps[i]) == size or (not exact and size <= len(self._maps[i]) <= 2 * size))
+            if fits:
+                return torch.frombuffer(self._maps[fits[0][1]], dtype=torch.uint8), False
             for i in reversed(unviewed[self.spare :]):  # drop what no read of these sizes will want
                 self._discard(i)
             mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -31,14 +31,19 @@ def tensor_checkpoint(name: str, tensors: Mapping[str, torch.Tensor], config: An
     """tensors (a state dict in any layout the spec's key conversion reads) as a checkpoint. config
     gives rank and alpha as adapter_config.json would (its dict, or a peft LoraConfig); None where the
     tensors carry their alphas, or alpha is the rank."""
-    problems, listing = [], []
-    for key in sorted(tensors):
+    problems, listing, resolved = [], [], {}
+    if not isinstance(tensors, Mapping):
+        raise refusal(name, WHERE, [f"its tensors are a {type(tensors).__name__}, not a state dict"])
+    keys = [k for k in tensors if isinstance(k, str)]
+    problems += [f"key {k!r} is a {type(k).__name__}, not a str" for k in tensors if not isinstance(k, str)]
+    for key in sorted(keys):
         t = tensors[key]
-        if not isinstance(t, torch.Tensor):
-            problems.append(f"{key} is a {type(t).__name__}, not a tensor")
-        elif t.dtype not in _NAMES:
-            problems.append(f"{key} has dtype {t.dtype}, which no safetensors file holds")
+        why = _unreadable(t)
+        if why:
+            problems.append(f"{key} {why}")
         else:
+            # A negative view's memory holds the values' negations: read as bytes, it would serve -B.
+            resolved[key] = t.resolve_neg() if t.is_neg() else t
             listing.append((key, _NAMES[t.dtype], tuple(t.shape)))
     if not listing and not problems:
         problems.append("it holds no tensors")
@@ -51,16 +56,33 @@ def tensor_checkpoint(name: str, tensors: Mapping[str, torch.Tensor], config: An
         problems.append(f"PEFT's keys with no config (the fields of {CONFIG}), so its rank and alpha are unknown")
     if problems:
         raise refusal(name, WHERE, problems)
-    return Checkpoint(name, WHERE, _header(tuple(listing)), parsed, dict(tensors))
+    return Checkpoint(name, WHERE, _header(tuple(listing)), parsed, resolved)
+
+
+def _unreadable(t: object) -> str | None:
+    """Why a pushed value cannot be read as a tensor of a safetensors file, or None."""
+    if not isinstance(t, torch.Tensor):
+        return f"is a {type(t).__name__}, not a tensor"
+    if t.layout != torch.strided:
+        return f"is a {t.layout} tensor; push dense ones (.to_dense())"
+    if t.is_meta or t.device.type == "meta":
+        return "is a meta tensor, which holds no values"
+    if t.dtype not in _NAMES:
+        return f"has dtype {t.dtype}, which no safetensors file holds"
+    if t.is_conj():
+        return "is a conjugate view"
+    return None
 
 
 @functools.lru_cache(maxsize=64)  # pushes of one adapter's new weights share it, and what is derived from it
 def _header(listing: tuple[tuple[str, str, tuple[int, ...]], ...]) -> Header:
+    # Offsets as a buffer holding every tensor would have them, each aligned for any dtype: a snapshot of
+    # the tensors (reader.snapshot) is laid out by them.
     entries, at = {}, 0
     for key, dtype, shape in listing:
         n = DTYPES[dtype].itemsize * math.prod(shape)
         entries[key] = TensorEntry(dtype, shape, at, at + n)
-        at += n
+        at += -(-n // 16) * 16
     return Header(entries, {}, 0, at)
 
 

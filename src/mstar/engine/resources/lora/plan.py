@@ -6,7 +6,9 @@ into the blocks ("direct": every A whose columns are whole, and B where the modu
 max_rank). The rest of B is read into a staging buffer; where every layer and slice of a target
 has one module of one rank ("dense", as in most adapters), its B lies there as [layers, out_shard,
 r] and moves into b[..., :r] in one strided copy, else piece by piece. A row target's column shard
-of A, a strided eighth of each row at world size 8, is copied from a mapping of the file.
+of A (a strided eighth of each row at world size 8) and stacked experts' factors are copied out of
+their whole tensors, read into the staging buffer too: nothing is read through a mapping, which a
+file cut meanwhile would turn into a SIGBUS.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class Read(NamedTuple):
     at: int
     nbytes: int
     to: int
-    piece: Piece
+    piece: Piece | None  # None for a tensor staged whole
 
 
 class Dense(NamedTuple):
@@ -102,6 +104,11 @@ class Plan(NamedTuple):
     modules: tuple[str, ...]
     stacked: tuple[Stacked, ...] = ()  # every expert's factors in one pair, copied a layer at a time
     owners: tuple[tuple[str, str, bool], ...] = ()  # (module, its target, whether it is in the store's dtype)
+    whole: tuple[tuple[TensorEntry, int], ...] = ()  # tensors staged whole (mapped pieces', stacked ones'), and where
+
+    def staged_at(self) -> dict[int, int]:
+        """Where each tensor staged whole lies in the staging buffer, by its start in the file."""
+        return {e.start: at for e, at in self.whole}
 
     def spread(self) -> list[Read]:
         """The staged reads copied piece by piece: all but the B of dense targets."""
@@ -140,7 +147,9 @@ def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
     pieces = _pieces(placed_alone, layout)
     direct, staged, mapped = _sort(pieces, layout, targets)
     dense = _dense(pieces, layout, targets, direct)
-    staged, dense, staging = _stage(staged, dense, layout)
+    whole = list({e.start: e for e in (*(q.entry for q in mapped), *(x for st in stacked for x in (st.A, st.B)))
+                  }.values())
+    staged, dense, staging, whole_at = _stage(staged, dense, layout, whole)
     item = layout.dtype.itemsize
     filled = Counter()
     for a, b in pieces:
@@ -155,10 +164,11 @@ def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
                         and filled[n] < layout.targets[n].weight_bytes // item)
     ranks = [as_linear(A.shape)[0] for _, _, A, _ in placed_alone] + [st.rank(spec.targets[st.target])
                                                                      for st in stacked]
+    whole_reads = [Read(e.start, e.nbytes, at, None) for e, at in whole_at]
     return Plan(targets, SKEW + layout.nbytes(targets), _skew(direct, item), tuple(direct), tuple(staged),
-                tuple(dense), tuple(mapped), _batches(direct), _batches(staged), staging, partial,
+                tuple(dense), tuple(mapped), _batches(direct), _batches([*staged, *whole_reads]), staging, partial,
                 max(ranks, default=0), tuple(module for module, _, _, _ in placed), tuple(stacked),
-                tuple((m, loc.target, A.torch_dtype == layout.dtype) for m, loc, A, _ in placed))
+                tuple((m, loc.target, A.torch_dtype == layout.dtype) for m, loc, A, _ in placed), tuple(whole_at))
 
 
 def _pieces(placed: list, layout: SlotLayout) -> list[tuple[Piece, Piece]]:
@@ -221,9 +231,11 @@ def _dense(pieces: list[tuple[Piece, Piece]], layout: SlotLayout, targets: tuple
     return dense
 
 
-def _stage(staged: list[Piece], dense: list[Dense], layout: SlotLayout) -> tuple[list[Read], list[Dense], int]:
+def _stage(staged: list[Piece], dense: list[Dense], layout: SlotLayout, whole: list[TensorEntry],
+           ) -> tuple[list[Read], list[Dense], int, list[tuple[TensorEntry, int]]]:
     """Places in the staging buffer: a dense target's B as one [layers, out_shard, r] array, the rest one
-    after another, each where its address agrees with the file's modulo SKEW where it can."""
+    after another, then the tensors staged whole, each where its address agrees with the file's modulo
+    SKEW where it can."""
     reads, at = [], 0
     placed_dense = []
     by_target = {d.target: d for d in dense}
@@ -246,7 +258,12 @@ def _stage(staged: list[Piece], dense: list[Dense], layout: SlotLayout) -> tuple
         at += (start - at) % SKEW
         reads.append(Read(start, (p.rows[1] - p.rows[0]) * size, at, p))
         at += (p.rows[1] - p.rows[0]) * size
-    return reads, placed_dense, at
+    whole_at = []
+    for e in whole:
+        at += (e.start - at) % SKEW
+        whole_at.append((e, at))
+        at += e.nbytes
+    return reads, placed_dense, at, whole_at
 
 
 def _skew(direct: list[Read], itemsize: int) -> int:
@@ -266,7 +283,7 @@ def _batches(reads: list[Read]) -> tuple[Batch, ...]:
     start = end = 0
     parts: list[tuple[int, int]] = []
     done = 0  # bytes of the finished batches and the current one
-    for at, n, to, _ in sorted(reads):
+    for at, n, to, _ in sorted(reads, key=lambda r: (r.at, r.to)):
         full = done >= BATCH_BYTES * len(batches)
         if at != end or len(parts) == IOV_MAX or end - start + n > RUN_BYTES or full:
             if parts:

@@ -21,7 +21,9 @@ from .experts import stacked_widths
 from .host_memory import HostBuffers
 from .keys import ConvertKeys
 from .layout import SlotLayout
-from .plan import Batch, Piece, Plan, Read, Stacked, plan
+from .plan import BATCH_BYTES, Batch, Piece, Plan, Read, Stacked, plan
+from .safetensors_header import TensorEntry
+from .source import FileSource
 from .spec import as_linear
 
 READ_THREADS = min(4, os.cpu_count() or 1)
@@ -31,9 +33,10 @@ Views = dict[str, tuple[torch.Tensor, torch.Tensor]]  # target -> (a, b)
 
 
 def read_layout(ckpt: Checkpoint, layout: SlotLayout, buffers: HostBuffers, staging: HostBuffers,
-                ) -> tuple[int, float, dict[str, torch.Tensor]]:
+                snapshot: torch.Tensor | None = None) -> tuple[int, float, dict[str, torch.Tensor]]:
     """(largest rank served, the slots' scaling, each target's block) for this rank, in one host buffer of
-    the layout's size.
+    the layout's size: copied out of snapshot (every byte of the checkpoint, as snapshot() takes it) or the
+    pushed tensors where there are they, else read from the checkpoint's open file.
 
     A fresh buffer comes zeroed from the kernel, so padding and untouched layers cost nothing; a
     reused one is zeroed only where the pieces leave it. staging lends the buffer staged bytes pass
@@ -51,15 +54,21 @@ def read_layout(ckpt: Checkpoint, layout: SlotLayout, buffers: HostBuffers, stag
     views = {name: layout.targets[name].split(block) for name, block in blocks.items()}
     if not fresh:
         _zero_padding(p, blocks, views, layout.spec.max_rank)
-    for st in p.stacked:
-        _copy_stacked(layout, views, st, ckpt.tensor(st.A), ckpt.tensor(st.B), ratios.get(st.module, 1.0))
-    if ckpt.tensors is not None:
-        _copy_pushed(ckpt, p, buf[p.skew :], views, ratios)
+    if snapshot is not None or ckpt.tensors is not None:
+        tensor_of = ckpt.tensor if snapshot is None else lambda e: typed(snapshot, e.start, e)
+        for st in p.stacked:
+            _copy_stacked(layout, views, st, tensor_of(st.A), tensor_of(st.B), ratios.get(st.module, 1.0))
+        _copy_memory(tensor_of, p, buf[p.skew :], views, ratios)
         _fold_whole(views, whole)
         return p.rank, scaling, blocks
     stage = staging.take(p.staging)[0] if p.staging else torch.empty(0, dtype=torch.uint8)
-    _read(ckpt, [(buf[p.skew :], p.batches), (stage, p.staged_batches)],
-          lambda: [_copy_piece(views, q, ckpt.tensor(q.entry)[q.rows[0] : q.rows[1]]) for q in p.mapped])
+    _read(ckpt, [(buf[p.skew :], p.batches), (stage, p.staged_batches)])
+    at = p.staged_at()
+    for st in p.stacked:
+        _copy_stacked(layout, views, st, typed(stage, at[st.A.start], st.A), typed(stage, at[st.B.start], st.B),
+                      ratios.get(st.module, 1.0))
+    for q in p.mapped:
+        _copy_piece(views, q, typed(stage, at[q.entry.start], q.entry)[q.rows[0] : q.rows[1]])
     for d in p.dense:
         b = views[d.target][1]
         shape = (*b.shape[:-1], d.rank)
@@ -72,6 +81,36 @@ def read_layout(ckpt: Checkpoint, layout: SlotLayout, buffers: HostBuffers, stag
     _fold_direct(p, views, ratios)
     _fold_whole(views, whole)
     return p.rank, scaling, blocks
+
+
+def snapshot(ckpt: Checkpoint, staging: HostBuffers) -> torch.Tensor:
+    """Every byte of the checkpoint, once, at the header's offsets: read from its one open file (header
+    included, which must be the one parsed), or copied from the pushed tensors. A read with a digest
+    hashes this very copy and lays the adapter out from it, so what it serves is what hashed."""
+    buf = staging.take(ckpt.size, exact=False)[0][: ckpt.size]
+    if ckpt.tensors is not None:
+        entries = list(ckpt.header.tensors.values())
+        dst = [typed(buf, e.start, e, aligned_only=True) for e in entries]
+        src = [ckpt.tensor(e) for e in entries]
+        for d, t in zip(dst, src, strict=True):
+            d.copy_(t)  # a copy of the values, not of the memory: a negative or conjugate view comes out resolved
+        return buf
+    runs = [(at, ((at, min(BATCH_BYTES, ckpt.size - at)),)) for at in range(0, ckpt.size, BATCH_BYTES)]
+    _read(ckpt, [(buf, tuple((run,) for run in runs))])
+    if bytes(buf[: len(ckpt.header.prefix)].numpy()) != ckpt.header.prefix:
+        raise ckpt.refusal(["its header changed since it was read: the file was rewritten in place"])
+    return buf
+
+
+def typed(buf: torch.Tensor, at: int, e: TensorEntry, aligned_only: bool = False) -> torch.Tensor:
+    """e's tensor as a linear's [rows, columns], from its bytes at offset at of the uint8 buf: a view, or a
+    copy where the bytes do not lie at an address of their dtype's alignment (a file may place them so)."""
+    raw = buf[at : at + e.nbytes]
+    if raw.data_ptr() % e.torch_dtype.itemsize:
+        if aligned_only:
+            raise ValueError(f"a tensor at offset {at} is not aligned for {e.dtype}")
+        raw = raw.clone()
+    return raw.view(e.torch_dtype).view(as_linear(e.shape))
 
 
 def node_scaling(ckpt: Checkpoint, p: Plan, conv: ConvertKeys) -> float:
@@ -107,21 +146,23 @@ def _fold_whole(views: Views, whole: dict[str, float]) -> None:
             b[layer].copy_(b[layer].float() * ratio)
 
 
-def _copy_pushed(ckpt: Checkpoint, p: Plan, blocks: torch.Tensor, views: Views, ratios: dict[str, float]) -> None:
-    """Every piece copied from the pushed tensors, which are read and never written: the direct ones
-    as bytes, half on a reader thread (two threads copy 1.45x faster than one here), the rest one by one."""
+def _copy_memory(tensor_of: Callable[[TensorEntry], torch.Tensor], p: Plan, blocks: torch.Tensor, views: Views,
+                 ratios: dict[str, float]) -> None:
+    """Every piece copied from tensors in memory (pushed ones, read and never written, or a snapshot's):
+    the direct ones as bytes, half on a reader thread (two threads copy 1.45x faster than one here), the
+    rest one by one."""
     flat: dict[int, torch.Tensor] = {}
     pairs = []
     for r in p.direct:
         e = r.piece.entry
         if e.start not in flat:
-            flat[e.start] = ckpt.tensor(e).cpu().contiguous().reshape(-1).view(torch.uint8)
+            flat[e.start] = tensor_of(e).cpu().contiguous().reshape(-1).view(torch.uint8)
         pairs.append((blocks[r.to : r.to + r.nbytes], flat[e.start][r.at - e.start : r.at - e.start + r.nbytes]))
     half = len(pairs) // 2 if READ_THREADS > 1 else 0
     other = _READERS.submit(torch._foreach_copy_, *map(list, zip(*pairs[:half], strict=True))) if half else None
     try:
         for q in (*(r.piece for r in p.staged), *p.mapped):
-            rows = ckpt.tensor(q.entry)[q.rows[0] : q.rows[1]]
+            rows = tensor_of(q.entry)[q.rows[0] : q.rows[1]]
             if q.role == "B" and q.module in ratios:
                 _fold(views, q, rows, ratios[q.module])
             else:
@@ -212,50 +253,38 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.view(unit).copy_(src.view(unit))
 
 
-def _read(ckpt: Checkpoint, work: list[tuple[torch.Tensor, tuple[Batch, ...]]], meanwhile: Callable[[], object],
-          ) -> None:
-    """Every batch read into its memory by whichever of this thread and the reader threads is free,
-    this one doing meanwhile first."""
+def _read(ckpt: Checkpoint, work: list[tuple[torch.Tensor, tuple[Batch, ...]]]) -> None:
+    """Every batch read from the checkpoint's open file into its memory by whichever of this thread and
+    the reader threads is free."""
     queue: deque = deque()
     for memory, batches in work:
         # A plain view of the memory's bytes for preadv to fill; the tensor, which the caller holds, owns them.
         view = memoryview((ctypes.c_char * memory.numel()).from_address(memory.data_ptr())).cast("B")
         queue.extend([(at, [view[to : to + n] for to, n in parts]) for at, parts in b] for b in batches)
-    fd = os.open(ckpt.weights, os.O_RDONLY)
+    source = ckpt.source
+    if not source.unchanged():
+        raise ckpt.refusal(["the file changed size since its header was read"])
+    helpers = [_READERS.submit(_drain, source, queue) for _ in range(min(READ_THREADS - 1, len(queue)))]
     try:
-        if os.fstat(fd).st_size != ckpt.size:
-            raise ckpt.refusal(["the file changed size since its header was read"])
-        helpers = [_READERS.submit(_drain, ckpt, fd, queue) for _ in range(min(READ_THREADS - 1, len(queue)))]
-        try:
-            meanwhile()
-            _drain(ckpt, fd, queue)
-        finally:  # every read is over before the descriptor goes
-            for f in helpers:
-                f.exception()
+        _drain(source, queue)
+    except ValueError as e:
+        queue.clear()
+        raise ckpt.refusal([str(e)]) from None
+    finally:  # every read is over before the memory can go
         for f in helpers:
+            f.exception()
+    for f in helpers:
+        try:
             f.result()
-    finally:
-        os.close(fd)
+        except ValueError as e:
+            raise ckpt.refusal([str(e)]) from None
 
 
-def _drain(ckpt: Checkpoint, fd: int, queue: deque) -> None:
+def _drain(source: FileSource, queue: deque) -> None:
     while True:
         try:
             runs = queue.popleft()
         except IndexError:
             return
         for at, views in runs:
-            _preadv_all(ckpt, fd, views, at)
-
-
-def _preadv_all(ckpt: Checkpoint, fd: int, views: list[memoryview], at: int) -> None:
-    left = sum(len(v) for v in views)
-    while left:
-        got = os.preadv(fd, views, at)
-        if got == 0:
-            raise ckpt.refusal(["the file ended early: it changed since its header was read"])
-        at, left = at + got, left - got
-        while views and got >= len(views[0]):  # a short read (a signal, a huge run): on from where it stopped
-            got -= len(views.pop(0))
-        if got:
-            views[0] = views[0][got:]
+            source.read_into(views, at)

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+if TYPE_CHECKING:
+    from .source import FileSource
+
 # The safetensors library refuses headers over 100 MB; an adapter's is a few hundred KB.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# A Qwen3-30B-A3B adapter in per-expert modules has 37,248 tensors, a 235B one about 72,000: a header
+# listing more is refused before it is parsed, so an absurd one costs milliseconds, not minutes.
+MAX_TENSORS = 1 << 18
+# Module names run to a hundred characters or so; longer ones are refused, which bounds the work of
+# matching them against a config's patterns.
+MAX_NAME = 1024
+# Parsed headers kept, by the bytes of their header: what is derived from one (its plans, inspections)
+# is a small multiple of it.
+CACHE_BYTES = 64 * 1024 * 1024
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -58,6 +71,7 @@ class Header:
     data_start: int
     file_size: int
     memo: dict = field(default_factory=dict, compare=False, repr=False)
+    prefix: bytes = field(default=b"", compare=False, repr=False)  # the file's first data_start bytes
 
 
 def parse_header(prefix: bytes, file_size: int) -> Header:
@@ -75,21 +89,31 @@ def parse_header(prefix: bytes, file_size: int) -> Header:
         raise ValueError(f"header length {n} runs past the end of the {file_size}-byte file")
     if len(prefix) < 8 + n:
         raise ValueError("header is truncated")
+    text = prefix[8 : 8 + n]
+    if text[:1] != b"{":
+        raise ValueError("not a safetensors file: its header is not a JSON object")
+    # Every tensor's entry is an object: counting braces bounds the tensors without parsing them.
+    if text.count(b"{") > 2 * MAX_TENSORS:
+        raise ValueError(f"its header lists more than {MAX_TENSORS} tensors")
     try:
-        raw = json.loads(prefix[8 : 8 + n].decode("utf-8"), object_pairs_hook=_unique)
+        raw = json.loads(text.decode("utf-8"), object_pairs_hook=_unique)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"header is not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ValueError("header is not a JSON object")
+    if len(raw) > MAX_TENSORS + 1:
+        raise ValueError(f"its header lists {len(raw) - 1} tensors, over the {MAX_TENSORS} this pool reads")
     data_start = 8 + n
-    metadata = raw.pop("__metadata__", None) or {}
+    metadata = raw.pop("__metadata__", None)
+    if metadata is None:  # absent, or null as safetensors allows
+        metadata = {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise ValueError("__metadata__ is not a string-to-string map")
     tensors = {name: _entry(name, value, data_start) for name, value in raw.items()}
     _check_packing(tensors, data_start, file_size - data_start)
-    return Header(tensors, metadata, data_start, file_size)
+    return Header(tensors, metadata, data_start, file_size, prefix=prefix[:data_start])
 
 
 def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -101,6 +125,8 @@ def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
 
 
 def _entry(name: str, value: object, data_start: int) -> TensorEntry:
+    if len(name) > MAX_NAME:
+        raise ValueError(f"tensor {name[:60]!r}...: a name of {len(name)} characters, over {MAX_NAME}")
     if type(value) is not dict or len(value) != 3:
         raise ValueError(f"tensor {name!r}: entry needs exactly dtype, shape and data_offsets")
     try:
@@ -144,19 +170,54 @@ def _check_packing(tensors: dict[str, TensorEntry], data_start: int, data_size: 
         raise ValueError(f"tensor data ends at byte {at}, {what} the file's {data_size} data bytes")
 
 
-def read_header(path: str | os.PathLike[str]) -> Header:
-    """The checked header of the safetensors file at path, reading no more than it declares."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else 0
-        if len(head) == 8 and n <= MAX_HEADER_BYTES and 8 + n <= size:
-            head += f.read(n)
-    return _parse_cached(bytes(head), size)
+def read_header(source: FileSource | str | os.PathLike[str]) -> Header:
+    """The checked header of the safetensors file open as source (or at a path), reading no more than
+    it declares."""
+    if not hasattr(source, "read_into"):
+        from .source import FileSource
+
+        opened = FileSource(source)
+        try:
+            return read_header(opened)
+        finally:
+            opened.close()
+    head = source.read(8, 0)
+    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+    if len(head) == 8 and n <= MAX_HEADER_BYTES and 8 + n <= source.size:
+        head += source.read(n, 8)
+    return cached_header(head, source.size)
 
 
-@functools.lru_cache(maxsize=64)  # an 8B model's header and what is derived from it: about 200 KB
-def _parse_cached(prefix: bytes, file_size: int) -> Header:
-    # Adapters trained with one recipe (same modules, ranks, dtype) have byte-identical headers:
-    # a deployment's startup check parses and inspects each distinct header once.
-    return parse_header(prefix, file_size)
+class _Cache:
+    """Parsed headers by their bytes, least recent dropped past CACHE_BYTES. Adapters trained with one
+    recipe (same modules, ranks, dtype) have byte-identical headers: a deployment's startup check
+    parses and inspects each distinct header once."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.nbytes = limit, 0
+        self._headers: OrderedDict[tuple[bytes, int], Header] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, prefix: bytes, file_size: int) -> Header:
+        key = (prefix, file_size)
+        with self._lock:
+            if key in self._headers:
+                self._headers.move_to_end(key)
+                return self._headers[key]
+        header = parse_header(prefix, file_size)  # a refused header raises, and is not kept
+        with self._lock:
+            if key not in self._headers and len(prefix) <= self.limit:
+                self._headers[key] = header
+                self.nbytes += len(prefix)
+                while self.nbytes > self.limit:
+                    (old, _), _ = self._headers.popitem(last=False)
+                    self.nbytes -= len(old)
+            return self._headers.get(key, header)
+
+
+_HEADERS = _Cache(CACHE_BYTES)
+
+
+def cached_header(prefix: bytes, file_size: int) -> Header:
+    """parse_header, once per distinct header bytes and file size while the cache keeps it."""
+    return _HEADERS.get(prefix, file_size)

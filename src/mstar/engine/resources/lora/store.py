@@ -32,7 +32,7 @@ from .digest import adapter_digest
 from .host_memory import HostBuffers
 from .layout import SlotLayout
 from .memory import tensor_checkpoint
-from .reader import read_layout
+from .reader import read_layout, snapshot
 from .spec import LoraSpec
 
 _HASHER = ThreadPoolExecutor(1, thread_name_prefix="mstar-lora-digest")
@@ -212,7 +212,8 @@ class LoraAdapterStore:
         serving it would put other weights under the same prefix-cache root, or different weights
         on different ranks."""
         # Checked again, not trusted from startup: the file may have changed since.
-        return self._read(open_checkpoint(path, name), digest)
+        with open_checkpoint(path, name) as ckpt:
+            return self._read(ckpt, digest)
 
     def read_tensors(self, name: str, tensors: Mapping[str, torch.Tensor], config: Any = None,
                      digest: bytes | None = None) -> LoadedAdapter:
@@ -223,21 +224,31 @@ class LoraAdapterStore:
 
     def _read(self, ckpt: Checkpoint, digest: bytes | None) -> LoadedAdapter:
         refuse_misfits(self.spec, ckpt)
-        conv = self.spec.convert_keys
-        # The hash (which releases the GIL) runs beside the copy; nothing is returned unless it matches.
-        hashing = _HASHER.submit(adapter_digest, ckpt, conv) if digest is not None else None
-        try:
+        if digest is None:  # this rank's shard alone, unverified
             top, scaling, blocks = read_layout(ckpt, self.layout, self._buffers, self._staging)
-        finally:
-            found = hashing.result() if hashing else None
-        if found != digest:
-            what = "the file changed since" if ckpt.tensors is None else "the tensors changed since they were pushed"
-            raise ckpt.refusal([f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was "
-                                f"checked with: {what}"])
+        else:
+            top, scaling, blocks = self._read_verified(ckpt, digest)
         views = {t: self.layout.targets[t].split(block) for t, block in blocks.items()}
         a = {t: ab[0] for t, ab in views.items()}
         b = {t: ab[1] for t, ab in views.items()}
         return LoadedAdapter(ckpt.name, digest, top, scaling, a, b, blocks)
+
+    def _read_verified(self, ckpt: Checkpoint, digest: bytes) -> tuple[int, float, dict[str, torch.Tensor]]:
+        """Every byte read once into a snapshot (from the one open file, or the pushed tensors' values),
+        hashed, and laid out from that very copy: the weights returned are exactly those that hashed to
+        the digest, whatever happens to the file or the tensors meanwhile, or the read is refused."""
+        snap = snapshot(ckpt, self._staging)
+        # The hash (which releases the GIL) runs beside the copy out of the same snapshot.
+        hashing = _HASHER.submit(adapter_digest, ckpt, self.spec.convert_keys, snapshot=snap)
+        try:
+            top, scaling, blocks = read_layout(ckpt, self.layout, self._buffers, self._staging, snapshot=snap)
+        finally:
+            found = hashing.result()
+        if found != digest:
+            what = "the file changed since" if ckpt.tensors is None else "the tensors changed since they were pushed"
+            raise ckpt.refusal([f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was "
+                                f"checked with: {what}"])
+        return top, scaling, blocks
 
     def load(self, name: str, path: str | os.PathLike[str], digest: bytes | None = None) -> LoadedAdapter:
         """Hold name and read it from path unless its copy is in.
