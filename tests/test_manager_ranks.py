@@ -95,3 +95,46 @@ def test_ranks_admit_and_fail_alike_in_every_step(tmp_path, world_size):
     assert failed and all("adapter 'c'" in why and "an I/O error on rank 1" in why for why in failed.values()), \
         "every rank fails c's requests with the failing rank's reason"
     assert "c" not in admitted and len(admitted) + len(failed) == arrived, "every other request was served"
+
+
+def register_rank(rank: int, world_size: int, rendezvous: str, paths: dict, out: str) -> None:
+    """Registrations where one rank's own check fails: each must raise on every rank, and the next good one
+    still be agreed everywhere (the collectives stay in step)."""
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    spec = specs_from_config(CONFIG, max_rank=8, capacity=3)["language_model"]
+    m = LoraManager({"language_model": LoraAdapterStore(spec, rank, world_size, pin=False)},
+                    {"language_model": LoraDevicePool(spec, 2, rank=rank, world_size=world_size)},
+                    group=dist.group.WORLD)
+    mine = {n: p if rank != 1 or n != "a" else p + "-missing-on-rank-1" for n, p in paths.items()}
+    outcome = []
+    for call in (lambda: m.register("a", mine["a"]), lambda: m.register_all({"a": mine["a"], "b": mine["b"]}),
+                 lambda: m.register("b", mine["b"])):
+        try:
+            outcome.append(call().__class__.__name__)
+        except ValueError as e:
+            outcome.append(str(e))
+    step = m.step([], [Request(1, "b"), Request(2, "a")])
+    outcome.append(sorted(str(e) for e in step.failed.values()))
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, outcome)
+    if rank == 0:
+        torch.save(everyone, out)
+    m.close()
+    dist.destroy_process_group()
+
+
+def test_a_registration_that_fails_on_one_rank_fails_on_every_rank_without_a_hang(tmp_path):
+    paths = {n: str(make_adapter(tmp_path, name=n, seed=i, config=CONFIG)[1]) for i, n in enumerate("ab")}
+    out = tmp_path / "out.pt"
+    ctx = mp.start_processes(register_rank, args=(2, f"file://{tmp_path}/rdv", paths, str(out)), nprocs=2,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        assert time.monotonic() < deadline, "a rank hung"
+    everyone = torch.load(out)
+    assert everyone[0] == everyone[1], "every rank saw the same outcomes"
+    single, both, good, failed = everyone[0]
+    assert single.startswith("adapter 'a' (") and "missing-on-rank-1" in single and "no such file" in single
+    assert both.startswith("1 of 2 adapters cannot be served") and "missing-on-rank-1" in both
+    assert good == "Version" and failed == ["adapter 'a' is not registered"]

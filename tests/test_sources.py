@@ -207,7 +207,7 @@ def test_what_is_held_under_a_byte_budget_follows_from_the_holds_alone(holds, ca
 
 def test_the_manager_prefetches_within_the_byte_budget(tmp_path):
     paths = {n: make_adapter(tmp_path, name=n, seed=i, target_modules=["q_proj"])[1] for i, n in enumerate("abc")}
-    m = manager(max_bytes=1)  # set below once a size is known
+    m = manager()  # a budget is set below, once a size is known
     versions = {n: m.register(n, p) for n, p in paths.items()}
     size = versions["a"].nbytes["language_model"]
     m.stores["language_model"].max_bytes = 2 * size

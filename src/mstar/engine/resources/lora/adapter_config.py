@@ -3,12 +3,14 @@ metadata): the rank and scaling it gives each module, and the options not served
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from . import patterns
 
 # Options that change the delta (or the base it applies to) in ways this pool does not serve.
 # An adapter setting any of them is refused rather than served wrong.
@@ -42,6 +44,9 @@ class AdapterConfig:
     layers_to_transform: tuple[int, ...] | None = None
     source: str = "adapter_config.json"
     peft_version: str | None = None  # which side of stacked experts PEFT put lora_A on (experts.py)
+    target_modules: tuple[str, ...] | str | None = None  # names, or one regex; None: whatever the file holds
+    exclude_modules: tuple[str, ...] | str | None = None
+    target_parameters: tuple[str, ...] | None = None
 
     @property
     def scaling(self) -> float:
@@ -58,13 +63,38 @@ class AdapterConfig:
         """This module's own scaling, with PEFT's pattern rule for rank_pattern and alpha_pattern."""
         return self.scale(_pattern_value(self.alpha_pattern, module, self.lora_alpha), self.rank_of(module))
 
+    def targets(self, module: str) -> bool:
+        """Whether PEFT, loading this config, puts LoRA on module (as the model names it): target_modules
+        (names matched whole or as a dotted suffix, or one regex matched whole; "all-linear" every linear)
+        or target_parameters name it, and exclude_modules does not. A file's weights for any other
+        module PEFT drops without a word; this pool refuses them instead."""
+        if self.exclude_modules and _names(self.exclude_modules, module):
+            return False
+        if self.target_modules is None:
+            return self.target_parameters is None or _names(self.target_parameters, module)
+        if isinstance(self.target_modules, str) and self.target_modules.lower() == "all-linear":
+            return True
+        return _names(self.target_modules, module) or bool(self.target_parameters and
+                                                           _names(self.target_parameters, module))
 
-def _pattern_value(patterns: Mapping[str, float], module: str, default: float) -> float:
+
+def _names(names: tuple[str, ...] | str, module: str) -> bool:
+    if isinstance(names, str):
+        return patterns.fullmatch(names, module)
+    return module in names or any(module.endswith(f".{n}") for n in names)
+
+
+def _pattern_value(values: Mapping[str, float], module: str, default: float) -> float:
     # PEFT's rule: keys in the file's order, the first whose (.*\.)?(key)$ matches wins.
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+    if not values:
+        return default
+    i = _keys(tuple(values)).first(module)
+    return default if i is None else list(values.values())[i]
+
+
+@functools.lru_cache(maxsize=256)
+def _keys(keys: tuple[str, ...]) -> patterns.PatternKeys:
+    return patterns.PatternKeys(keys)
 
 
 def parse_config(raw: object, source: str = "adapter_config.json") -> AdapterConfig:
@@ -103,6 +133,9 @@ def parse_config(raw: object, source: str = "adapter_config.json") -> AdapterCon
             layers_to_transform=_layers(raw.get("layers_to_transform")),
             source=source,
             peft_version=str(raw["peft_version"]) if raw.get("peft_version") else None,
+            target_modules=_modules(raw.get("target_modules"), "target_modules"),
+            exclude_modules=_modules(raw.get("exclude_modules"), "exclude_modules"),
+            target_parameters=_modules(raw.get("target_parameters"), "target_parameters", regex=False),
         )
     except ValueError as e:
         problems.append(str(e))
@@ -124,15 +157,24 @@ def read_config(path: str | os.PathLike[str]) -> AdapterConfig:
     return parse_config(raw)
 
 
+MAX_KEYS = 1 << 16  # pattern keys or module names in one config field: one per module of the largest models
+MAX_RANK = (1 << 31) - 1  # past any rank a factor could have; keeps every scaling a float
+
+
 def _number(v: object, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"{what} {v!r} is not a finite number")
-    return v
+    try:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError
+        return float(v) if isinstance(v, int) and abs(v) > MAX_RANK else v
+    except (ValueError, OverflowError):
+        text = repr(v) if len(repr(v)) <= 40 else repr(v)[:40] + "..."
+        raise ValueError(f"{what} {text} is not a finite number") from None
 
 
 def _positive(v: object, what: str, kind: type) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{what} {v!r} is not a positive integer")
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_RANK:
+        text = repr(v) if len(repr(v)) <= 40 else repr(v)[:40] + "..."
+        raise ValueError(f"{what} {text} is not a positive integer of at most {MAX_RANK}")
     return kind(v)
 
 
@@ -141,14 +183,37 @@ def _patterns(v: object, what: str, kind: type) -> dict:
         return {}
     if not isinstance(v, dict):
         raise ValueError(f"{what} is not a map of module patterns")
+    if len(v) > MAX_KEYS:
+        raise ValueError(f"{what} has {len(v)} keys, over {MAX_KEYS}")
     out = {}
     for key, value in v.items():
         try:
-            re.compile(rf"(.*\.)?({key})$")
-        except re.error as e:
-            raise ValueError(f"{what} key {key!r} is not a valid pattern ({e})") from None
+            patterns.check_key(key)
+        except ValueError as e:
+            raise ValueError(f"{what} key {_short(key)} cannot be matched: {e}") from None
         out[key] = _positive(value, f"{what}[{key!r}]", int) if kind is int else _number(value, f"{what}[{key!r}]")
     return out
+
+
+def _modules(v: object, what: str, regex: bool = True) -> tuple[str, ...] | str | None:
+    """target_modules and the like: a list of names (a set, saved), or one regex where regex."""
+    if v is None:
+        return None
+    if isinstance(v, str) and regex:
+        try:
+            patterns.check_pattern(v)
+        except ValueError as e:
+            raise ValueError(f"{what} {_short(v)} cannot be matched: {e}") from None
+        return v
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v) or len(v) > MAX_KEYS:
+        raise ValueError(f"{what} is not a list of module names")
+    return tuple(v)
+
+
+def _short(text: str) -> str:
+    return repr(text) if len(text) <= 60 else repr(text[:60]) + "..."
 
 
 def _layers(v: object) -> tuple[int, ...] | None:

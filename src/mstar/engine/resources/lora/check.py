@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from operator import attrgetter
@@ -16,7 +17,7 @@ from .digest import HASH_ON_EVERY_CORE, adapter_digest
 from .experts import orientation, stacked_misfit
 from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
 from .memory import tensor_checkpoint
-from .spec import AdapterInfo, Location, LoraSpec, as_linear
+from .spec import AdapterInfo, Location, LoraSpec, as_linear, canonical_index
 
 # Modules whose LoRA changes the vocabulary side of the model, which the pool does not serve.
 _VOCAB_MODULES = ("lm_head", "embed_tokens", "wte", "embed_out", "output_layer")
@@ -155,6 +156,9 @@ def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
         layer = loc.layer
         if config is not None and config.layers_to_transform is not None and layer not in config.layers_to_transform:
             misfits[module] = f"layer {layer} is outside layers_to_transform {list(config.layers_to_transform)}"
+        if config is not None and not config.targets(module):
+            misfits[module] = (f"{config.source}'s target_modules / exclude_modules leave it out, so PEFT puts no "
+                               "LoRA there and would drop these weights")
     return AdapterInfo(info.rank, info.unmapped, misfits, info.targets)
 
 
@@ -184,7 +188,8 @@ def inspect_adapter(spec: LoraSpec, path: str | os.PathLike[str]) -> AdapterInfo
     Reads only the safetensors header unless the model converts a native layout, which needs
     the tensors.
     """
-    return inspect_checkpoint(spec, open_checkpoint(path))
+    with open_checkpoint(path) as ckpt:
+        return inspect_checkpoint(spec, ckpt)
 
 
 def adapter_targets(spec: LoraSpec, path: str | os.PathLike[str]) -> set[str]:
@@ -201,7 +206,8 @@ def check_adapter_file(
     returns its digest. The digest is read once per way the specs convert the checkpoint
     (convert_keys), so once for specs that read it alike. Raises ValueError for an adapter the
     deployment cannot serve."""
-    return check_checkpoint(spec, open_checkpoint(path, name), others, hash_threads=hash_threads)
+    with open_checkpoint(path, name) as ckpt:
+        return check_checkpoint(spec, ckpt, others, hash_threads=hash_threads)
 
 
 def check_adapter_tensors(spec: LoraSpec, name: str, tensors: Mapping[str, torch.Tensor], config: Any = None,
@@ -234,7 +240,10 @@ def adapter_problems(specs: Sequence[LoraSpec], ckpt: Checkpoint) -> dict[str, s
     names = ", ".join(s.name for s in specs)
     has_experts = any(t.experts is not None for s in specs for t in s.targets.values())
     for module in sorted(set.intersection(*(set(i.unmapped) for i in infos))):
-        if ".experts." in f"{module}." and not has_experts:
+        odd = [n for n in re.findall(r"(?<![^._])(\d+)(?![^._])", module) if not canonical_index(n)]
+        if odd:
+            problems[module] = f"index {odd[0]!r} is not written as a model numbers its layers and experts"
+        elif ".experts." in f"{module}." and not has_experts:
             problems[module] = "expert weights, and this model has no experts"
         else:
             problems[module] = f"no target of {names} maps it"

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from . import hub
-from .check import check_all, check_checkpoint
-from .checkpoint import Checkpoint, open_checkpoint
+from .check import check_checkpoint
+from .checkpoint import Checkpoint, open_checkpoint, refusal
 from .memory import tensor_checkpoint
 from .models import specs_from_config
 from .plan import host_bytes
@@ -71,13 +71,24 @@ class Counters:
     waiting_on_adapter: int = 0
 
 
+@dataclass(eq=False)
+class Entry:
+    """One version the manager keeps: the read under way, if any, and why its last read failed, if it did.
+    Whether it is in follows from the stores; who runs it, from the requests pinned to it."""
+
+    version: Version
+    reading: Future[None] | None = None
+    error: ValueError | None = None
+
+
 class LoraManager:
     """The engine's side of the pool: registration, per-step admission, background reads, agreement.
 
     Every rank makes the same calls in the same order (the engine's scheduler decides once); with a
-    process group, readiness and failures are agreed by one all-reduce per step, so ranks never use
-    different adapters. stores and pools are keyed by node (the language model, a vision tower);
-    an adapter is in once every node's store has it.
+    process group, registrations, readiness and failures are agreed by collectives every rank makes,
+    failing or not, so ranks never use different adapters and never wait on each other forever.
+    stores and pools are keyed by node (the language model, a vision tower); an adapter is in once
+    every node's store has it.
     """
 
     def __init__(self, stores: Mapping[str, LoraAdapterStore], pools: Mapping[str, LoraDevicePool], *,
@@ -90,11 +101,10 @@ class LoraManager:
         self.registry = Registry()
         self.slots = next(iter(pools.values())).slots
         self.capacity = min(s.spec.capacity for s in stores.values())
-        self._pinned: dict[Hashable, Version | None] = {}
+        self._entries: dict[str, Entry] = {}  # by version key: every version registered and not yet collected
+        self._pinned: dict[Hashable, Version] = {}  # running request -> the version it was admitted with
         self._seen: set[Hashable] = set()
-        self._reads: dict[str, Future[None]] = {}
-        self._failures: dict[str, ValueError] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # entries' reads and errors, the stores' puts beside the step's holds
         self._workers = ThreadPoolExecutor(read_workers, thread_name_prefix="mstar-lora-manager")
         self._counters = Counters()
         device = next(iter(pools.values())).device
@@ -114,53 +124,95 @@ class LoraManager:
         pools = {n: LoraDevicePool(s, slots, device, rank, world_size) for n, s in specs.items()}
         return cls(stores, pools, group=group, read_workers=read_workers)
 
-    # --- registration: a call every rank makes -------------------------------------------
+    # --- registration: a call every rank makes, whatever its own part gives --------------------------
 
     def register(self, name: str, path: str | os.PathLike[str]) -> Version:
         """name checked at path (or Hub id org/repo[@revision], pinned to its commit here) against every
         node's spec and made current: requests admitted from now on get these weights under their
         digest; running ones keep theirs. Registering a name again with other weights is a reload;
-        registering a failed name again retries it."""
-        try:
-            path = hub.resolve(path)
-        except ValueError as e:
-            raise ValueError(f"adapter {name!r} ({path}): {e}") from None
-        ckpt = open_checkpoint(path, name)
-        specs = [s.spec for s in self.stores.values()]
-        digest = check_checkpoint(specs[0], ckpt, specs[1:])
-        return self._register(Version(name, path, digest, nbytes=self._sizes(ckpt)))
+        registering a failed name again retries it. With a process group, a rank that cannot check it
+        makes it refused on every rank."""
+        return self._register_agreed({name: self._check_path(name, path)})[name]
 
     def push(self, name: str, tensors: Mapping[str, torch.Tensor], config: Any = None) -> Version:
         """register for weights in memory (a trainer's new LoRA weights, say): checked, digested as the
         same weights saved as a file would be, and served as a new version of name, never half-visible.
         The tensors are read, never written; the manager keeps them to read again after an eviction,
         and refuses them if they change meanwhile (push again instead)."""
-        ckpt = tensor_checkpoint(name, tensors, config)
-        specs = [s.spec for s in self.stores.values()]
-        digest = check_checkpoint(specs[0], ckpt, specs[1:])
-        return self._register(Version(name, None, digest, dict(tensors), config, self._sizes(ckpt)))
+        def check() -> Version:
+            ckpt = tensor_checkpoint(name, tensors, config)
+            digest = check_checkpoint(self._specs[0], ckpt, self._specs[1:])
+            return self._fits(Version(name, None, digest, dict(tensors), config, self._sizes(ckpt)))
+
+        return self._register_agreed({name: _attempt(name, check)})[name]
 
     def register_all(self, adapters: Mapping[str, str | os.PathLike[str]]) -> dict[str, Version]:
         """The serving config at startup: every adapter checked (on every core), raising naming every
-        one that cannot be served before any is registered."""
-        specs = [s.spec for s in self.stores.values()]
-        digests = check_all(specs[0], adapters, specs[1:])
-        versions = {}
-        for name, digest in digests.items():
-            path = hub.resolve(adapters[name])  # as the check found it: one commit for a Hub id
-            versions[name] = self._register(Version(name, path, digest, nbytes=self._sizes(open_checkpoint(path))))
-        return versions
+        one that cannot be served, on any rank, before any is registered. A Hub id is resolved once, and
+        the commit it names is the one checked and read."""
+        with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="mstar-lora-check") as pool:
+            checked = dict(zip(adapters, pool.map(lambda kv: self._check_path(*kv, hash_threads=1), adapters.items()),
+                               strict=True))
+        return self._register_agreed(checked)
+
+    @property
+    def _specs(self) -> list:
+        return [s.spec for s in self.stores.values()]
+
+    def _check_path(self, name: str, path: str | os.PathLike[str], hash_threads: int | None = None) -> Version | str:
+        """name's version at path, checked from one open checkpoint (digest and sizes alike), or why not."""
+        def check() -> Version:
+            try:
+                resolved = hub.resolve(path)
+            except ValueError as e:
+                raise refusal(name, path, [str(e)]) from None
+            with open_checkpoint(resolved, name) as ckpt:
+                kw = {} if hash_threads is None else {"hash_threads": hash_threads}
+                digest = check_checkpoint(self._specs[0], ckpt, self._specs[1:], **kw)
+                return self._fits(Version(name, resolved, digest, nbytes=self._sizes(ckpt)))
+
+        return _attempt(name, check)
 
     def _sizes(self, ckpt: Checkpoint) -> dict[str, int]:
         return {n: host_bytes(ckpt, s.layout) for n, s in self.stores.items()}
 
-    def _register(self, version: Version) -> Version:
-        seen = same_everywhere(version.digest, self.group)
-        if len(set(seen)) != 1:
-            raise ValueError(f"adapter {version.name!r} ({version.path}): the ranks read different weights there "
-                             f"(digests {', '.join(d.hex()[:16] for d in seen)})")
+    def _fits(self, v: Version) -> Version:
+        """v, if its copy fits each node's host budget on its own: one that never could would wait forever."""
+        for n, s in self.stores.items():
+            if s.max_bytes is not None and v.nbytes[n] > s.max_bytes:
+                raise refusal(v.name, v.path or "<pushed tensors>", [
+                    f"its copy takes {v.nbytes[n]} host bytes for {n}, over the host budget of {s.max_bytes}"])
+        return v
+
+    def _register_agreed(self, checked: Mapping[str, Version | str]) -> dict[str, Version]:
+        """Register every checked version once every rank has checked it alike; else raise on every rank,
+        naming each adapter that failed on some rank, or whose ranks read different weights."""
+        mine = {n: v.digest if isinstance(v, Version) else v for n, v in checked.items()}
+        everyone = same_everywhere(mine, self.group)
+        failures = []
+        for name in checked:
+            seen = [theirs.get(name) for theirs in everyone]
+            why = next((w for w in seen if isinstance(w, str)), None)
+            if why is not None:
+                failures.append(why)
+            elif len(set(seen)) != 1:
+                failures.append(f"adapter {name!r} ({checked[name].path}): the ranks read different weights there "
+                                f"(digests {', '.join(d.hex()[:16] if d else 'none' for d in seen)})")
+        if failures:
+            count = f"{len(failures)} of {len(checked)} adapters cannot" if len(checked) > 1 else "it cannot"
+            raise ValueError(failures[0] if len(checked) == 1 else f"{count} be served:\n" + "\n".join(failures))
+        for v in checked.values():
+            self._register(v)
+        return dict(checked)
+
+    def _register(self, version: Version) -> None:
+        with self._lock:
+            entry = self._entries.get(version.key)
+            if entry is None:
+                self._entries[version.key] = Entry(version)
+            else:  # the same weights again: a failed read is tried anew, with the version as given now
+                entry.version, entry.error = version, None
         self.registry.register(version)
-        return version
 
     def unregister(self, name: str) -> None:
         """No new request gets name; its memory is freed once no running request uses it."""
@@ -241,7 +293,8 @@ class LoraManager:
 
     def _hold(self, batch: list[Version], queue: list[Version]) -> list[Version]:
         """Hold the batch's versions, then the queue's in order while the host tier has room for them
-        beside the batch; start a read for each one newly held. The queue's versions held, in order."""
+        beside the batch; start a read for each one held whose copy is not in. The queue's versions held,
+        in order."""
         keep = {v.key for v in batch}
         used = {n: sum(v.nbytes[n] for v in batch) for n in self.stores}
         for v in batch:
@@ -252,7 +305,7 @@ class LoraManager:
                 continue
             fits = all(s.max_bytes is None or used[n] + v.nbytes[n] <= s.max_bytes for n, s in self.stores.items())
             if len(keep) >= self.capacity or not fits:
-                break
+                break  # in queue order: a later, smaller adapter does not overtake one waiting for room
             keep.add(v.key)
             for n in used:
                 used[n] += v.nbytes[n]
@@ -261,43 +314,51 @@ class LoraManager:
         return held
 
     def _hold_one(self, v: Version, keep: set[str]) -> None:
+        """Hold v in every node's store and, under the lock that its reads land under, start a read unless
+        its copy is in, a read is under way or its last one failed: so a copy evicted and held again
+        while its read lands is never left held with no copy and no read."""
         store = next(iter(self.stores.values()))  # every node's store holds the same names
-        before = len(store)
-        new = [s.hold(v.key, keep, v.nbytes[n]) for n, s in self.stores.items()]
-        gone = before + new[0] - len(store)
         with self._lock:
-            self._counters.evictions += gone
-            if any(new) and v.key not in self._reads:
-                self._failures.pop(v.key, None)
-                self._reads[v.key] = self._workers.submit(self._read, v)
+            before = len(store)
+            new = [s.hold(v.key, keep, v.nbytes[n]) for n, s in self.stores.items()]
+            self._counters.evictions += before + new[0] - len(store)
+            entry = self._entries.get(v.key)
+            if entry is not None and entry.reading is None and entry.error is None and not self._in(v):
+                entry.reading = self._workers.submit(self._read, entry)
 
-    def _read(self, v: Version) -> None:
-        """v read for every node and put, or its failure recorded: on a worker, outside every lock."""
-        start = time.perf_counter()
+    def _read(self, entry: Entry) -> None:
+        """entry's version read for every node and put, or its failure recorded: on a worker, outside every
+        lock but for the put."""
+        v, start = entry.version, time.perf_counter()
+        copies: dict[str, Any] | None = {}
         try:
-            copies = {n: s.read(v.name, v.path, v.digest) if v.tensors is None else
-                      s.read_tensors(v.name, v.tensors, v.config, v.digest) for n, s in self.stores.items()}
+            for n, s in self.stores.items():
+                copies[n] = s.read(v.name, v.path, v.digest) if v.tensors is None else \
+                    s.read_tensors(v.name, v.tensors, v.config, v.digest)
         except Exception as e:  # a read's refusal is a ValueError naming adapter and file; anything else is wrapped
-            error = e if isinstance(e, ValueError) else ValueError(f"adapter {v.name!r} ({v.path}): {e!r}")
-            with self._lock:
-                self._failures[v.key] = error
-                self._counters.read_failures += 1
-                del self._reads[v.key]
-            return
-        for n, s in self.stores.items():
-            s.put(dataclasses.replace(copies[n], name=v.key))
+            error = ValueError(*e.args) if isinstance(e, ValueError) else ValueError(
+                f"adapter {v.name!r} ({v.path}): {e!r}")
+            copies = None  # neither the copies read so far nor the failed read's frames stay alive
+        else:
+            error = None
         with self._lock:
+            entry.reading = None
+            if error is not None:
+                entry.error = error
+                self._counters.read_failures += 1
+                return
+            for n, s in self.stores.items():
+                s.put(dataclasses.replace(copies[n], name=v.key))
             c = self._counters
             c.reads += 1
             c.bytes_read += sum(a.nbytes for a in copies.values())
             c.read_seconds += time.perf_counter() - start
-            del self._reads[v.key]
 
     def _agree(self, versions: list[Version]) -> tuple[dict[str, int], dict[str, ValueError]]:
         """Each version's state on every rank (one collective), and why each that failed anywhere did:
         such a version is dropped everywhere and its name refused until registered again."""
         with self._lock:
-            failures = {v.key: self._failures[v.key] for v in versions if v.key in self._failures}
+            failures = {v.key: e.error for v in versions if (e := self._entries.get(v.key)) and e.error is not None}
         mine = [FAILED if v.key in failures else READY if self._in(v) else MISSING for v in versions]
         states = dict(zip((v.key for v in versions), agree(mine, self.group), strict=True))
         failed = [v for v in versions if states[v.key] == FAILED]
@@ -311,7 +372,9 @@ class LoraManager:
                 for s in self.stores.values():
                     s.drop(v.key)
                 with self._lock:
-                    self._failures.pop(v.key, None)
+                    entry = self._entries.get(v.key)
+                    if entry is not None:
+                        entry.error = None  # told: the name is refused now, until it is registered again
         return states, errors
 
     def _in(self, v: Version) -> bool:
@@ -354,6 +417,9 @@ class LoraManager:
                 store.drop(key)
             for key in filter(stale, self.pools[n].resident()):
                 self.pools[n].deactivate(key)
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if stale(k) and e.reading is None]:
+                del self._entries[key]
 
     def _count_first_waits(self, waiting: Sequence[Request], wanted: dict[Hashable, Version]) -> None:
         ids = {r.id for r in waiting}
@@ -377,7 +443,7 @@ class LoraManager:
         never for a step."""
         while True:
             with self._lock:
-                pending = list(self._reads.values())
+                pending = [e.reading for e in self._entries.values() if e.reading is not None]
             if not pending:
                 return
             wait(pending)
@@ -388,3 +454,13 @@ class LoraManager:
         at interpreter exit can abort the process)."""
         self._workers.shutdown(wait=True)
         self.group = None
+
+
+def _attempt(name: str, check: Any) -> Any:
+    """check()'s result, or why it failed: what a rank brings to a collective whatever happened to it."""
+    try:
+        return check()
+    except ValueError as e:
+        return str(e)
+    except Exception as e:  # a rank that raised anything else must still make the collective
+        return f"adapter {name!r}: its check failed ({e!r})"

@@ -8,11 +8,13 @@ state per adapter is reduced by its minimum over the ranks: FAILED anywhere wins
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 FAILED, MISSING, READY = -1, 0, 1
+T = TypeVar("T")
 
 
 def agree(states: Sequence[int], group: dist.ProcessGroup | None) -> list[int]:
@@ -39,10 +41,11 @@ def gather_reasons(reasons: dict[str, str], group: dist.ProcessGroup | None) -> 
     return merged
 
 
-def same_everywhere(value: bytes, group: dist.ProcessGroup | None) -> list[bytes]:
-    """value as every rank of group has it (a registered adapter's digest, say)."""
+def same_everywhere(value: T, group: dist.ProcessGroup | None) -> list[T]:
+    """value as every rank of group has it (what each checked at a registration, say). Every rank calls it
+    for every registration, whether its own check passed or not, so no rank waits on one that gave up."""
     if group is None:
         return [value]
-    everyone: list[bytes | None] = [None] * dist.get_world_size(group)
+    everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, value, group=group)
-    return [v or b"" for v in everyone]
+    return everyone

@@ -11,7 +11,7 @@ import ctypes
 import math
 import os
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -19,7 +19,6 @@ import torch
 from .checkpoint import Checkpoint
 from .experts import stacked_widths
 from .host_memory import HostBuffers
-from .keys import ConvertKeys
 from .layout import SlotLayout
 from .plan import BATCH_BYTES, Batch, Piece, Plan, Read, Stacked, plan
 from .safetensors_header import TensorEntry
@@ -43,9 +42,8 @@ def read_layout(ckpt: Checkpoint, layout: SlotLayout, buffers: HostBuffers, stag
     through, which is unviewed again once this returns.
     """
     p = plan(ckpt, layout)
-    conv = layout.spec.convert_keys
-    scalings = ckpt.scalings(conv)
-    scaling = node_scaling(ckpt, p, conv)
+    scalings = ckpt.scalings(layout.spec.convert_keys)
+    scaling = node_scaling(scalings, p.modules)
     ratios = {m: scalings[m] / scaling for m in p.modules if scalings[m] != scaling}
     whole = _whole_folds(p, ratios)
     ratios = {m: r for m, t, _ in p.owners if (r := ratios.get(m)) is not None and t not in whole}
@@ -113,13 +111,16 @@ def typed(buf: torch.Tensor, at: int, e: TensorEntry, aligned_only: bool = False
     return raw.view(e.torch_dtype).view(as_linear(e.shape))
 
 
-def node_scaling(ckpt: Checkpoint, p: Plan, conv: ConvertKeys) -> float:
-    """The scaling a node's slots take: the one most of the modules it serves share, the adapter's own
-    (its config's lora_alpha / r) where that is among the most; the rest fold into their B. An expert
+def node_scaling(scalings: Mapping[str, float], modules: Iterable[str]) -> float:
+    """The scaling a node's slots take: the one most of the modules it serves share (the smaller where
+    two are as common), never 0 while one is not; the rest fold into their B. It follows from the
+    modules' scalings alone, which the digest covers, so one digest is always one layout. An expert
     node of an adapter whose experts have a rank of their own thus folds nothing."""
-    own, scalings = ckpt.scaling(conv), ckpt.scalings(conv)
-    counts = Counter(scalings[m] for m in p.modules)
-    return max(counts, key=lambda s: (counts[s], s == own, -s)) if counts else own
+    counts = Counter(scalings[m] for m in modules)
+    nonzero = {s: n for s, n in counts.items() if s}
+    if not nonzero:
+        return 0.0 if counts else 1.0  # every module serves nothing, or there are none
+    return max(nonzero, key=lambda s: (nonzero[s], -s))
 
 
 def _whole_folds(p: Plan, ratios: dict[str, float]) -> dict[str, float]:

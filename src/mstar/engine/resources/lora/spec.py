@@ -27,6 +27,11 @@ def as_linear(shape: Sequence[int]) -> tuple[int, ...]:
     return (shape[0], math.prod(shape[1:]))
 
 
+def canonical_index(text: str) -> bool:
+    """Whether text is a layer or expert index as models name their modules: ASCII digits, no leading zero."""
+    return text.isascii() and text.isdigit() and (text == "0" or text[0] != "0")
+
+
 def shard_units(units: int, unit: int, rank: int, world_size: int) -> tuple[int, int]:
     """The rows [start, stop) rank takes of units blocks of unit rows each.
 
@@ -228,9 +233,12 @@ class LoraSpec:
         for regex, target, s in self._compiled:
             m = regex.fullmatch(module)
             if m:
+                indices = {g: m.group(g) for g in ("layer", "expert") if g in regex.groupindex}
+                if not all(map(canonical_index, indices.values())):
+                    break  # layers.01 or layers.١ is a name PEFT never writes, and no module has
                 if isinstance(s, PerExpert):
-                    s = int(m.group("expert")) * s.per + s.offset
-                found = Location(target, int(m.group("layer")) if "layer" in regex.groupindex else 0, s)
+                    s = int(indices["expert"]) * s.per + s.offset
+                found = Location(target, int(indices.get("layer", 0)), s)
                 break
         if len(self._located) < 1 << 20:  # adapters of one model share their module names
             self._located[module] = found

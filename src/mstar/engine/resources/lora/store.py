@@ -32,6 +32,7 @@ from .digest import adapter_digest
 from .host_memory import HostBuffers
 from .layout import SlotLayout
 from .memory import tensor_checkpoint
+from .plan import host_bytes
 from .reader import read_layout, snapshot
 from .spec import LoraSpec
 
@@ -119,21 +120,23 @@ class LoraAdapterStore:
 
     # --- what is held: hold and drop alone decide it -------------------------------------
 
-    def hold(self, name: str, keep: Iterable[str] = (), nbytes: int = 0) -> bool:
+    def hold(self, name: str, keep: Iterable[str] = (), nbytes: int | None = None) -> bool:
         """Make name the most recent adapter held, dropping the least recent past capacity, but
         none named in keep (which may hold the tier past capacity for a while). True when it was
         not held, so its copy is the caller's to read in.
 
         With a byte budget (max_bytes), nbytes is what name's copy takes (host_bytes, known from its
-        check and the same on every rank), and the least recent are dropped too while the bytes held
-        exceed the budget: still from the hold calls alone, never from what has been read.
+        check and the same on every rank; None keeps what an earlier hold said), and the least recent
+        are dropped too while the bytes held exceed the budget: still from the hold calls alone, never
+        from what has been read.
         """
         with self._lock:
             new = name not in self._held
             if new:
                 self._held[name] = None
             self._held.move_to_end(name)
-            self._sizes[name] = nbytes
+            if nbytes is not None or new:
+                self._sizes[name] = nbytes or 0
             over = len(self._held) - self.spec.capacity
             excess = sum(self._sizes.values()) - self.max_bytes if self.max_bytes is not None else 0
             if over > 0 or excess > 0:
@@ -224,10 +227,17 @@ class LoraAdapterStore:
 
     def _read(self, ckpt: Checkpoint, digest: bytes | None) -> LoadedAdapter:
         refuse_misfits(self.spec, ckpt)
-        if digest is None:  # this rank's shard alone, unverified
-            top, scaling, blocks = read_layout(ckpt, self.layout, self._buffers, self._staging)
+        try:
+            if digest is None:  # this rank's shard alone, unverified
+                top, scaling, blocks = read_layout(ckpt, self.layout, self._buffers, self._staging)
+            else:
+                top, scaling, blocks = self._read_verified(ckpt, digest)
+        except ValueError as e:
+            refused = ValueError(*e.args)
         else:
-            top, scaling, blocks = self._read_verified(ckpt, digest)
+            refused = None
+        if refused is not None:  # raised anew, out here: the failed read's frames, and the buffer they hold, go
+            raise refused
         views = {t: self.layout.targets[t].split(block) for t, block in blocks.items()}
         a = {t: ab[0] for t, ab in views.items()}
         b = {t: ab[1] for t, ab in views.items()}
@@ -255,9 +265,20 @@ class LoraAdapterStore:
 
         A copy read under another digest than the one given is not its copy: the file changed and
         was checked again, so it is read again. A read already under way is joined only if it reads
-        under the same digest; one under another is let land first.
+        under the same digest; one under another is let land first. The hold says the bytes the copy
+        takes (from the header), so a byte budget holds through load as through hold.
         """
-        self.hold(name)
+        try:
+            ckpt = open_checkpoint(path, name)
+        except ValueError:
+            self.hold(name)
+            raise
+        with ckpt:
+            self.hold(name, nbytes=host_bytes(ckpt, self.layout))
+            return self._load(ckpt, digest)
+
+    def _load(self, ckpt: Checkpoint, digest: bytes | None) -> LoadedAdapter:
+        name = ckpt.name
         while True:
             with self._lock:
                 copy = self._held.get(name)
@@ -273,7 +294,7 @@ class LoraAdapterStore:
                 return other.result()
             wait([other])
         try:
-            adapter = self.read(name, path, digest)
+            adapter = self._read(ckpt, digest)
         except BaseException as e:
             with self._lock:
                 del self._reading[name]
