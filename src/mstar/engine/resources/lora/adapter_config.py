@@ -41,7 +41,6 @@ class AdapterConfig:
     alpha_pattern: Mapping[str, float] = field(default_factory=dict)
     layers_to_transform: tuple[int, ...] | None = None
     source: str = "adapter_config.json"
-    peft_version: str | None = None  # which side of stacked experts PEFT put lora_A on (experts.py)
 
     @property
     def scaling(self) -> float:
@@ -102,7 +101,6 @@ def parse_config(raw: object, source: str = "adapter_config.json") -> AdapterCon
             alpha_pattern=_patterns(raw.get("alpha_pattern"), "alpha_pattern", float),
             layers_to_transform=_layers(raw.get("layers_to_transform")),
             source=source,
-            peft_version=str(raw["peft_version"]) if raw.get("peft_version") else None,
         )
     except ValueError as e:
         problems.append(str(e))
