@@ -39,6 +39,17 @@ def test_stacked_experts_give_peft_delta_for_every_expert(tmp_path, family, conf
         assert_deltas(adapter, spec, *peft_expert_deltas(pm, family, layer), layer, f"{family} layer {layer}")
 
 
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_under_transformers_5_lora_a_is_on_the_input_side(tmp_path, family):
+    """What the README says of transformers 5 with PEFT 0.21.2 (H 32, I 24, r 2, 4 experts)."""
+    _, path = stacked_adapter(tmp_path, family, target_modules=[])
+    layer = "base_model.model.model.layers.0.mlp.experts."
+    shapes = {k.removeprefix(layer): list(v.shape) for k, v in load_file(path / "adapter_model.safetensors").items()
+              if k.startswith(layer)}
+    assert shapes == {"base_layer.lora_A.weight": [8, 32], "base_layer.lora_B.weight": [48, 8],
+                      "lora_A.weight": [8, 24], "lora_B.weight": [32, 8]}
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_per_expert_modules_give_the_delta_of_peft_converting_them(tmp_path, family):
     """transformers 5 stacks the experts; PEFT converts a per-expert adapter into the stacked one on load."""
