@@ -17,3 +17,14 @@ if ! .venv/bin/python -c "import mstar.engine.resources.lora, peft, transformers
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
   touch .venv/.installed
 fi
+# transformers 4.57.1 beside 5, for tests/test_experts_transformers4.py: gpt-oss's experts there carry no
+# is_transposed, so PEFT puts lora_A on their output side. Only it and the two packages it wants older
+# than the venv's (huggingface_hub < 1, tokenizers <= 0.23.0), pinned and without their dependencies,
+# which the venv has: a folder a test puts first on a subprocess's PYTHONPATH, never on the venv's path.
+TF4=.venv/transformers-4.57.1
+if [ ! -f "$TF4/.installed" ]; then  # written once the install is whole
+  rm -rf "$TF4"
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --target "$TF4" \
+    transformers==4.57.1 huggingface_hub==0.36.2 tokenizers==0.22.2
+  touch "$TF4/.installed"
+fi

@@ -41,14 +41,16 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
 
 
-def stacked_adapter(tmp: Path, family: str, name: str = "ad", seed: int = 1, **lora):
-    """An adapter PEFT itself made on the model's stacked experts (target_parameters), with q_proj too."""
+def stacked_adapter(tmp: Path, family: str, name: str = "ad", seed: int = 1, config: dict | None = None, **lora):
+    """An adapter PEFT itself made on the model's stacked experts (target_parameters, every one unless told),
+    with q_proj too; config overrides the model's."""
     import peft
 
     lora.setdefault("r", 2)
     lora.setdefault("lora_alpha", 4)
     lora.setdefault("target_modules", ["q_proj"])
-    pm = peft.get_peft_model(build(family), peft.LoraConfig(target_parameters=STACKED, **lora))
+    lora.setdefault("target_parameters", STACKED)
+    pm = peft.get_peft_model(build(family, **(config or {})), peft.LoraConfig(**lora))
     randomize(pm, seed)
     pm.save_pretrained(tmp / name)
     return pm.eval(), tmp / name
@@ -82,9 +84,18 @@ def peft_expert_deltas(pm: torch.nn.Module, family: str, layer: int) -> tuple[to
     as a linear's [out, in] per expert."""
     experts = pm.base_model.model.model.layers[layer].mlp.experts
     down, gate_up = experts.get_delta_weight("default"), experts.base_layer.get_delta_weight("default")
+    return stacked_as_linear(family, gate_up, down)
+
+
+def stacked_as_linear(family: str, gate_up: torch.Tensor | None, down: torch.Tensor | None):
+    """PEFT's deltas of the stacked parameters (as the parameters are laid out) as a linear's [E, out, in],
+    gate rows then up rows."""
     if family == "gpt_oss":  # stored [E, in, out], gate and up interleaved in out
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-        gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], 1)
+        if gate_up is not None:
+            gate_up = gate_up.transpose(1, 2)
+            gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], 1)
+        if down is not None:
+            down = down.transpose(1, 2)
     return gate_up, down
 
 
@@ -102,3 +113,27 @@ def pool_expert_deltas(adapter, spec, layer: int) -> tuple[torch.Tensor, torch.T
                   for s in range(EXPERTS * per)]
         out.append(torch.stack([torch.cat(slices[e * per : (e + 1) * per]) for e in range(EXPERTS)]))
     return tuple(out)
+
+
+def specs(family, max_rank=8, max_expert_rank=4, **over):
+    from mstar.engine.resources.lora import specs_from_config
+
+    return specs_from_config({**CONFIGS[family], **over}, max_rank=max_rank, max_expert_rank=max_expert_rank)
+
+
+def read(family, path, rank=0, world_size=1, store=None, **over):
+    """The experts node's copy of the adapter at path, checked first as a deployment checks it."""
+    from mstar.engine.resources.lora import LoraAdapterStore, check_adapter_file
+
+    s = specs(family, **over)
+    digest = check_adapter_file(s["language_model"], "ad", path, [s["experts"]])
+    store = store or LoraAdapterStore(s["experts"], rank, world_size, pin=False, dtype=torch.float32)
+    return s["experts"], store.read("ad", path, digest)
+
+
+def assert_deltas(adapter, spec, want_gate_up, want_down, layer, msg=""):
+    gate_up, down = pool_expert_deltas(adapter, spec, layer)
+    for name, got, want in (("gate_up", gate_up, want_gate_up), ("down", down, want_down)):
+        assert (got is None) == (want is None), f"{name} {msg}: served {got is not None}, PEFT {want is not None}"
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{name} {msg}")

@@ -4,6 +4,7 @@ PEFT has written, and what cannot be read for sure is refused by name."""
 from __future__ import annotations
 
 import json
+import shutil
 from types import SimpleNamespace
 
 import peft
@@ -13,11 +14,13 @@ from moe import (
     CONFIGS,
     EXPERTS,
     STACKED,
+    assert_deltas,
     build,
     peft_expert_deltas,
     per_expert_adapter,
     pool_expert_deltas,
-    randomize,
+    read,
+    specs,
     stacked_adapter,
 )
 from safetensors.torch import load_file, save_file
@@ -26,29 +29,25 @@ from tiny import make_adapter, model_config
 from mstar.engine.resources.lora import LoraAdapterStore, LoraManager, Request, check_adapter_file, specs_from_config
 
 
-def specs(family, max_rank=8, max_expert_rank=4, **over):
-    return specs_from_config({**CONFIGS[family], **over}, max_rank=max_rank, max_expert_rank=max_expert_rank)
-
-
-def read(family, path, rank=0, world_size=1, **kw):
-    s = specs(family, **kw)
-    digest = check_adapter_file(s["language_model"], "ad", path, [s["experts"]])
-    store = LoraAdapterStore(s["experts"], rank, world_size, pin=False, dtype=torch.float32)
-    return s["experts"], store.read("ad", path, digest)
-
-
-def assert_deltas(adapter, spec, want_gate_up, want_down, layer, msg=""):
-    gate_up, down = pool_expert_deltas(adapter, spec, layer)
-    torch.testing.assert_close(gate_up, want_gate_up, rtol=1e-5, atol=1e-6, msg=f"gate_up {msg}")
-    torch.testing.assert_close(down, want_down, rtol=1e-5, atol=1e-6, msg=f"down {msg}")
+@pytest.mark.parametrize(("family", "config"), [(f, {}) for f in CONFIGS] + [("gpt_oss", {"intermediate_size": 32})])
+def test_stacked_experts_give_peft_delta_for_every_expert(tmp_path, family, config):
+    """Under transformers 5 (gpt-oss at its own widths too, intermediate_size == hidden_size: a square down_proj)."""
+    pm, path = stacked_adapter(tmp_path, family, config=config, alpha_pattern={"down_proj": 6},
+                               rank_pattern={"gate_up_proj": 4})
+    spec, adapter = read(family, path, **config)
+    for layer in range(2):
+        assert_deltas(adapter, spec, *peft_expert_deltas(pm, family, layer), layer, f"{family} layer {layer}")
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_stacked_experts_give_peft_delta_for_every_expert(tmp_path, family):
-    pm, path = stacked_adapter(tmp_path, family, alpha_pattern={"down_proj": 6}, rank_pattern={"gate_up_proj": 4})
-    spec, adapter = read(family, path)
-    for layer in range(2):
-        assert_deltas(adapter, spec, *peft_expert_deltas(pm, family, layer), layer, f"{family} layer {layer}")
+def test_under_transformers_5_lora_a_is_on_the_input_side(tmp_path, family):
+    """What the README says of transformers 5 with PEFT 0.21.2 (H 32, I 24, r 2, 4 experts)."""
+    _, path = stacked_adapter(tmp_path, family, target_modules=[])
+    layer = "base_model.model.model.layers.0.mlp.experts."
+    shapes = {k.removeprefix(layer): list(v.shape) for k, v in load_file(path / "adapter_model.safetensors").items()
+              if k.startswith(layer)}
+    assert shapes == {"base_layer.lora_A.weight": [8, 32], "base_layer.lora_B.weight": [48, 8],
+                      "lora_A.weight": [8, 24], "lora_B.weight": [32, 8]}
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -72,8 +71,9 @@ def test_an_adapter_touching_some_experts_leaves_the_others_zero(tmp_path):
         assert (gate_up[e].abs().sum() > 0) == (e in (0, 2))
 
 
-def flipped(path, out, version):
-    """The same adapter as PEFT before 0.19 saved it for [E, out, in] experts: lora_A on the output side."""
+def flipped(path, out, peft_version=None):
+    """The same adapter with lora_A on the output side, as PEFT up to 0.18 saved it for [E, out, in] experts
+    (it read every stacked parameter as [E, in, out]) and PEFT 0.21.2 for gpt-oss under transformers 4.57."""
     tensors = load_file(path / "adapter_model.safetensors")
     for key in [k for k in tensors if ".mlp.experts" in k and "lora_A" in k]:
         a, b = tensors[key], tensors[key.replace("lora_A", "lora_B")]
@@ -84,45 +84,70 @@ def flipped(path, out, version):
         tensors[key.replace("lora_A", "lora_B")] = per_in.permute(2, 1, 0).reshape(-1, r * EXPERTS)
     out.mkdir()
     save_file(tensors, out / "adapter_model.safetensors")
+    return with_config(path, out, peft_version)
+
+
+def with_config(path, out, peft_version):
+    """out's adapter_config.json: path's, saying peft_version (or none)."""
+    out.mkdir(exist_ok=True)
+    if not (out / "adapter_model.safetensors").exists():
+        shutil.copy(path / "adapter_model.safetensors", out)
     config = json.loads((path / "adapter_config.json").read_text())
-    config.pop("peft_version")
-    if version:
-        config["peft_version"] = version
+    config.pop("peft_version", None)
+    if peft_version:
+        config["peft_version"] = peft_version
     (out / "adapter_config.json").write_text(json.dumps(config))
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", list(CONFIGS))
 def test_lora_a_on_the_output_side_is_told_by_the_shapes(tmp_path, family):
     _, path = stacked_adapter(tmp_path, family)
     _, normal = read(family, path)
-    _, old = read(family, flipped(path, tmp_path / "old", None))
+    _, old = read(family, flipped(path, tmp_path / "old"))
     for t in normal.a:
         assert torch.equal(normal.a[t], old.a[t]) and torch.equal(normal.b[t], old.b[t])
 
 
-SQUARE = {"moe_intermediate_size": 32}  # down_proj of 32 inputs and 32 outputs
+SQUARE = {"moe_intermediate_size": 32}  # down_proj of 32 inputs and 32 outputs; gate_up_proj 32 and 64
+VERSIONS = [None, "0.18.2", "0.19.0", "0.21.2"]
 
 
-@pytest.mark.parametrize(("version", "fits"), [(None, None), ("0.19.0", None), ("0.18.2", "old"), ("0.21.2", "new")])
-def test_a_square_expert_is_read_only_when_peft_version_settles_it(tmp_path, version, fits):
-    pm = peft.get_peft_model(build("qwen3_moe", **SQUARE), peft.LoraConfig(r=2, lora_alpha=4,
-                                                                             target_parameters=STACKED))
-    randomize(pm, 3)
-    pm.save_pretrained(tmp_path / "new")
-    path = flipped(tmp_path / "new", tmp_path / "old", version) if fits != "new" else tmp_path / "new"
-    if fits == "new" and version:
-        config = json.loads((path / "adapter_config.json").read_text())
-        (path / "adapter_config.json").write_text(json.dumps({**config, "peft_version": version}))
-    if fits is None:
-        with pytest.raises(ValueError, match=r"fit either way round \(32 inputs and 32 outputs per expert\) and "
-                                             rf"adapter_config.json's peft_version \({version or 'none'}\) does not"):
-            read("qwen3_moe", path, **SQUARE)
-        return
-    spec, adapter = read("qwen3_moe", path, **SQUARE)
-    for layer in range(2):
-        assert_deltas(adapter, spec, *peft_expert_deltas(pm.eval(), "qwen3_moe", layer), layer)
+@pytest.mark.parametrize(("family", "config"), [("qwen3_moe", SQUARE), ("gpt_oss", {"intermediate_size": 16})])
+def test_a_square_expert_takes_the_side_its_file_shows_whatever_peft_version_says(tmp_path, family, config):
+    """PEFT puts A on one side for every parameter of an experts class, so one parameter's shapes tell the
+    square one's (Qwen3-MoE's down_proj here, gpt-oss's gate_up_proj). The same bytes serve the same deltas
+    under one digest whatever peft_version the config says, read in any order through one store (which
+    shares a header's read plan)."""
+    pm, path = stacked_adapter(tmp_path, family, config=config, target_modules=[])
+    want = [peft_expert_deltas(pm, family, layer) for layer in range(2)]
+    store = LoraAdapterStore(specs(family, **config)["experts"], pin=False, dtype=torch.float32)
+    for side, made in (("in", path), ("out", flipped(path, tmp_path / "out"))):
+        digests = set()
+        for version in [*VERSIONS, *reversed(VERSIONS)]:
+            copy = with_config(made, tmp_path / f"{side}-{version}", version)
+            spec, adapter = read(family, copy, store=store, **config)
+            digests.add(adapter.digest)
+            for layer in range(2):
+                assert_deltas(adapter, spec, *want[layer], layer, f"A {side}, peft_version {version}, layer {layer}")
+        assert len(digests) == 1
 
+
+# down_proj alone, of 32 inputs and 32 outputs (gpt-oss's own widths have intermediate_size == hidden_size)
+@pytest.mark.parametrize(("family", "config"), [("qwen3_moe", SQUARE), ("gpt_oss", {"intermediate_size": 32})])
+def test_a_square_expert_alone_is_refused_whatever_peft_version_says(tmp_path, family, config):
+    _, path = stacked_adapter(tmp_path, family, config=config, target_parameters=[STACKED[1]], target_modules=[])
+    s = specs(family, **config)
+    store = LoraAdapterStore(s["experts"], pin=False, dtype=torch.float32)
+    why = (r"mlp\.experts\.down_proj: its stacked factors fit either way round \(32 inputs and 32 outputs per "
+           r"expert\) and no other stacked expert in the file shows which: .* nothing in the adapter names the "
+           "transformers version")
+    for version in reversed(VERSIONS):  # a version once read the square expert its way; now none does
+        copy = with_config(path, tmp_path / f"v{version}", version)
+        with pytest.raises(ValueError, match=why):
+            check_adapter_file(s["language_model"], "sq", copy, [s["experts"]])
+        with pytest.raises(ValueError, match=why):
+            store.read("sq", copy)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -43,7 +43,6 @@ class AdapterConfig:
     alpha_pattern: Mapping[str, float] = field(default_factory=dict)
     layers_to_transform: tuple[int, ...] | None = None
     source: str = "adapter_config.json"
-    peft_version: str | None = None  # which side of stacked experts PEFT put lora_A on (experts.py)
     target_modules: tuple[str, ...] | str | None = None  # names, or one regex; None: whatever the file holds
     exclude_modules: tuple[str, ...] | str | None = None
     target_parameters: tuple[str, ...] | None = None
@@ -132,7 +131,6 @@ def parse_config(raw: object, source: str = "adapter_config.json") -> AdapterCon
             alpha_pattern=_patterns(raw.get("alpha_pattern"), "alpha_pattern", float),
             layers_to_transform=_layers(raw.get("layers_to_transform")),
             source=source,
-            peft_version=str(raw["peft_version"]) if raw.get("peft_version") else None,
             target_modules=_modules(raw.get("target_modules"), "target_modules"),
             exclude_modules=_modules(raw.get("exclude_modules"), "exclude_modules"),
             target_parameters=_modules(raw.get("target_parameters"), "target_parameters", regex=False),

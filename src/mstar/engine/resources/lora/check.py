@@ -14,7 +14,7 @@ import torch
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import HASH_ON_EVERY_CORE, adapter_digest
-from .experts import orientation, stacked_misfit
+from .experts import stacked_misfit, stacked_orientations
 from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
 from .memory import tensor_checkpoint
 from .spec import AdapterInfo, Location, LoraSpec, as_linear, canonical_index
@@ -137,6 +137,7 @@ def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
     misfits = dict(info.misfits)
     config = ckpt.config
     skip = set(misfits) | set(info.unmapped)  # judged already, or another node's
+    ways = stacked_orientations(spec, ckpt.modules(spec.convert_keys))
     for module, keys in ckpt.modules(spec.convert_keys).items():
         a, b = keys.roles.get("A"), keys.roles.get("B")
         if a is None or b is None or module in skip:
@@ -148,11 +149,8 @@ def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
         if config is not None and r != config.rank_of(module):
             misfits[module] = (f"rank {r}, but {config.source} gives it r={config.rank_of(module)}, "
                                "so its scaling is unknown")
-        t = spec.targets[loc.target]
-        if t.experts is not None and loc.slice is None:
-            way = orientation(t, a.shape, b.shape, config.peft_version if config else None)
-            if way not in ("A in", "A out"):
-                misfits[module] = way
+        if ways.get(module, "A in") not in ("A in", "A out"):
+            misfits[module] = ways[module]
         layer = loc.layer
         if config is not None and config.layers_to_transform is not None and layer not in config.layers_to_transform:
             misfits[module] = f"layer {layer} is outside layers_to_transform {list(config.layers_to_transform)}"

@@ -3,19 +3,21 @@
 lora_A is [r * E, x] with expert-major rows (expert e's are rows e*r : (e+1)*r) and lora_B is [y, r * E]
 with rank-major, expert-minor columns (expert e's are columns e, e + E, e + 2E, ...): reading B the way
 A is read pairs every expert with the wrong columns, silently. Which side of the expert A sits on
-depends on the PEFT version and the model: PEFT before 0.19 read a stacked parameter [E, d1, d2] as
-[E, in, out], which is right for gpt-oss's [E, in, out] and puts A on the output side of Qwen3-MoE's
-and Mixtral's [E, out, in]; 0.19.1 on reads both the right way round. The shapes against the model's
-widths tell which; where they cannot (in and out alike), the adapter's peft_version does, or the
-adapter is refused.
+depends on the experts class PEFT wrapped, not on PEFT's version: PEFT (0.21.2 too) reads a parameter
+[E, d1, d2] as [E, in, out] where the experts are marked is_transposed (gpt-oss under transformers 5)
+and as [E, out, in] where not (Qwen3-MoE and Mixtral under 5, gpt-oss under 4.57, whose [E, in, out]
+thus gets A on its output side). So the shapes against the model's widths tell which; a square expert
+(in and out alike) takes the side its file's other stacked experts show, as PEFT decides it once for
+every parameter of an experts class; where none shows it, the adapter is refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from .spec import LoraTarget
+from .keys import ModuleKeys
+from .spec import LoraSpec, LoraTarget
 
 Orientation = Literal["A in", "A out"]  # lora_A on the expert's input side, or its output side
 
@@ -27,14 +29,14 @@ def stacked_widths(t: LoraTarget) -> tuple[int, int]:
 
 
 def orientations(t: LoraTarget, a_shape: Sequence[int], b_shape: Sequence[int]) -> list[Orientation]:
-    """The ways round the stacked factors fit the target's experts."""
+    """The ways round the stacked factors fit the target's experts: both where an expert is square."""
     count, (fan_in, fan_out) = t.experts.count, stacked_widths(t)
     if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1] or a_shape[0] % count:
         return []
     fits: list[Orientation] = []
     if (a_shape[1], b_shape[0]) == (fan_in, fan_out):
         fits.append("A in")
-    if t.experts.layout == "out_in" and (a_shape[1], b_shape[0]) == (fan_out, fan_in):
+    if (a_shape[1], b_shape[0]) == (fan_out, fan_in):
         fits.append("A out")
     return fits
 
@@ -50,36 +52,41 @@ def stacked_misfit(t: LoraTarget, name: str, a_shape: Sequence[int], b_shape: Se
         return f"A {list(a_shape)} does not split into the model's {count} experts"
     if not orientations(t, a_shape, b_shape):
         return (f"A {list(a_shape)} / B {list(b_shape)} do not fit {count} experts of {fan_in} inputs and {fan_out} "
-                f"outputs for target {name}")
+                f"outputs for target {name}, either way round")
     if a_shape[0] // count > max_rank:
         return f"rank {a_shape[0] // count} per expert, over this pool's max_rank {max_rank} for experts"
     return None
 
 
-def orientation(t: LoraTarget, a_shape: Sequence[int], b_shape: Sequence[int],
-                peft_version: str | None) -> Orientation | str:
-    """Which side of each expert A sits on, or why that cannot be told."""
-    fits = orientations(t, a_shape, b_shape)
-    if len(fits) == 1:
-        return fits[0]
-    version = _version(peft_version)
-    if version is not None and version >= (0, 19, 1):
-        return "A in"
-    if version is not None and version < (0, 19):
-        return "A out"
+def stacked_orientations(spec: LoraSpec, modules: Mapping[str, ModuleKeys]) -> dict[str, Orientation | str]:
+    """Which side of each expert A sits on, for every stacked module of spec's among modules (a checkpoint's),
+    or why that cannot be told. A function of the shapes and the spec alone, so one header reads one way."""
+    fits = {}
+    for module, keys in modules.items():
+        loc = spec.locate(module)
+        a, b = keys.roles.get("A"), keys.roles.get("B")
+        if loc is None or a is None or b is None:
+            continue
+        t = spec.targets[loc.target]
+        if t.experts is not None and loc.slice is None:
+            fits[module] = (t, orientations(t, a.shape, b.shape))
+    shown = {ways[0] for _, ways in fits.values() if len(ways) == 1}
+    out: dict[str, Orientation | str] = {}
+    for module, (t, ways) in fits.items():
+        if len(ways) == 1:
+            out[module] = ways[0]
+        elif len(ways) == 2 and len(shown) == 1:
+            out[module] = next(iter(shown))
+        elif len(ways) == 2:
+            out[module] = _square(t, shown)
+    return out
+
+
+def _square(t: LoraTarget, shown: set[str]) -> str:
     fan_in, fan_out = stacked_widths(t)
-    return (f"its stacked factors fit either way round ({fan_in} inputs and {fan_out} outputs per expert) and "
-            f"adapter_config.json's peft_version ({peft_version or 'none'}) does not settle it: PEFT before 0.19 put "
-            "lora_A on the output side of [experts, out, in] parameters, 0.19.1 on the input side")
-
-
-def _version(text: str | None) -> tuple[int, ...] | None:
-    if not text:
-        return None
-    parts = []
-    for piece in text.split(".")[:3]:
-        digits = "".join(c for c in piece if c.isdigit())
-        if not digits or digits != piece:
-            return None  # a development or local version: not read as a number
-        parts.append(int(digits))
-    return tuple(parts)
+    why = ("the file's other stacked experts disagree on it" if shown
+           else "no other stacked expert in the file shows which")
+    return (f"its stacked factors fit either way round ({fan_in} inputs and {fan_out} outputs per expert) and {why}: "
+            "PEFT puts lora_A on the input side of experts marked is_transposed (gpt-oss under transformers 5) and "
+            "on the output side of gpt-oss's under transformers 4.57, whatever its own version, and nothing in the "
+            "adapter names the transformers version it was trained with")

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .checkpoint import Checkpoint
-from .experts import orientation
+from .experts import stacked_orientations
 from .layout import SlotLayout
 from .safetensors_header import TensorEntry
 from .spec import LoraTarget, as_linear
@@ -139,9 +139,8 @@ def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
         if loc is not None:
             placed.append((module, loc, keys.roles["A"], keys.roles["B"]))
     targets = tuple(n for n in spec.targets if any(loc.target == n for _, loc, _, _ in placed))
-    peft_version = ckpt.config.peft_version if ckpt.config is not None else None
-    stacked = [Stacked(m, A, B, loc.target, loc.layer, orientation(spec.targets[loc.target], A.shape, B.shape,
-                                                                     peft_version))
+    ways = stacked_orientations(spec, ckpt.modules(spec.convert_keys))
+    stacked = [Stacked(m, A, B, loc.target, loc.layer, ways[m])
                for m, loc, A, B in placed if spec.targets[loc.target].experts is not None and loc.slice is None]
     placed_alone = [p for p in placed if p[0] not in {st.module for st in stacked}]
     pieces = _pieces(placed_alone, layout)

@@ -25,10 +25,9 @@ LAYER = r"model\.layers\.(?P<layer>\d+)\."
 
 @dataclass(frozen=True)
 class Family:
-    """What tells one MoE family's checkpoints apart: its config's expert count field, where its
+    """What tells one MoE family's checkpoints apart: its config's intermediate width field, where its
     per-expert modules live and what they are called, and how it stores the stacked experts."""
 
-    count_field: str
     intermediate_field: str
     per_expert: str  # the module path of expert {e}'s linears, after the layer prefix
     gate: str
@@ -40,13 +39,29 @@ class Family:
 
 FAMILIES = {
     # transformers 4 named Qwen3-MoE's experts mlp.experts.{e}.gate_proj ...; 5 stacks them in mlp.experts
-    "qwen3_moe": Family("num_experts", "moe_intermediate_size", r"mlp\.experts", "gate_proj", "up_proj", "down_proj"),
+    "qwen3_moe": Family("moe_intermediate_size", r"mlp\.experts", "gate_proj", "up_proj", "down_proj"),
     # Mixtral's were block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down)
-    "mixtral": Family("num_local_experts", "intermediate_size", r"block_sparse_moe\.experts", "w1", "w3", "w2"),
+    "mixtral": Family("intermediate_size", r"block_sparse_moe\.experts", "w1", "w3", "w2"),
     # gpt-oss has only ever stacked them, as [E, in, out], gate and up interleaved
-    "gpt_oss": Family("num_local_experts", "intermediate_size", r"mlp\.experts", "gate_proj", "up_proj",
-                      "down_proj", "in_out", True),
+    "gpt_oss": Family("intermediate_size", r"mlp\.experts", "gate_proj", "up_proj", "down_proj", "in_out", True),
 }
+# The expert count's names: the Hub's Qwen3-MoE configs say num_experts, Mixtral's, gpt-oss's and every
+# family's saved by transformers 5 num_local_experts. Any family's config may carry either.
+COUNT_FIELDS = ("num_experts", "num_local_experts")
+
+
+def expert_count(config: Mapping[str, Any]) -> int:
+    """The config's expert count under whichever name it has; ValueError where it has none, or two that differ."""
+    named = {f: config[f] for f in COUNT_FIELDS if config.get(f) is not None}
+    if not named:
+        raise ValueError(f"config names no expert count ({' or '.join(COUNT_FIELDS)}), which its architecture needs")
+    for f, v in named.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"config's {f} {v!r} is not a positive expert count")
+    if len(set(named.values())) > 1:
+        raise ValueError("config's " + " and ".join(f"{f} {v}" for f, v in named.items())
+                         + " differ: which is the model's expert count cannot be told")
+    return next(iter(named.values()))
 
 
 def moe_specs(config: Mapping[str, Any], family: str, *, max_rank: int, max_expert_rank: int | None = None,
@@ -56,7 +71,7 @@ def moe_specs(config: Mapping[str, Any], family: str, *, max_rank: int, max_expe
     if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
         raise ValueError("layers with a dense MLP beside the expert layers are not served yet")
     layers, hidden = config["num_hidden_layers"], config["hidden_size"]
-    count, inter = config[f.count_field], config[f.intermediate_field]
+    count, inter = expert_count(config), config[f.intermediate_field]
     keys = MoeKeys()
     attention = {n: t for n, t in lm_targets({**config, "intermediate_size": inter}).items()
                  if n in ("qkv_proj", "o_proj")}
