@@ -131,8 +131,12 @@ def test_a_wrong_command_exits_2(made, tmp_path, capsys, what):
     assert "Traceback" not in err and "error" in err
 
 
-def test_an_adapter_that_cannot_be_served_exits_1(made):
+def test_an_adapter_that_cannot_be_served_exits_1(made, capsys):
     assert _exits(["check", str(made["config"]), str(made["big"]), "--max-rank", "8"]) == 1
+    long = "a" * 300  # past NAME_MAX: an OSError inside, still this adapter's refusal
+    assert _exits(["check", str(made["config"]), long, str(made["good"])]) == 1
+    err = capsys.readouterr().err
+    assert f"adapter '{long}' ({long}): " in err and "Traceback" not in err
 
 
 def test_help_says_what_the_exit_codes_mean(capsys):

@@ -156,6 +156,12 @@ def test_deeply_nested_json_is_a_value_error(tmp_path):
             specs_from_config(path, max_rank=8)
 
 
+def test_a_name_too_long_or_an_unreadable_file_is_a_value_error(tmp_path):
+    for config in ["a" * 300, *(["/proc/self/mem"] if os.path.exists("/proc/self/mem") else [])]:
+        with pytest.raises(ValueError, match=r"^model config .*: unreadable \("):
+            specs_from_config(config, max_rank=8)
+
+
 def test_a_fifo_or_a_device_as_model_config_is_refused_at_once(tmp_path):
     fifo = tmp_path / "config.json"
     os.mkfifo(fifo)

@@ -68,3 +68,4 @@ def test_one_adapter_that_cannot_be_served_is_its_own_refusal(tmp_path):
     with pytest.raises(ValueError) as e:
         check_adapters(lm_spec(adapters={"big": str(big)}))
     assert str(e.value).startswith("adapter 'big' (") and "of 1 adapters" not in str(e.value)
+

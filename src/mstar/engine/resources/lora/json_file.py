@@ -41,7 +41,10 @@ def read_json(path: str | os.PathLike[str], *, limit: int = MAX_JSON_BYTES,
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError("not a regular file (a FIFO, socket or device)")
-        data = f.read(limit + 1)
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:  # /proc/self/mem is a "regular file" too
+            raise ValueError(f"unreadable ({e.strerror or e})") from None
     if len(data) > limit:
         raise ValueError(f"over {limit // (1024 * 1024)} MiB, far past any config")
     return parse_json(data, object_pairs_hook=object_pairs_hook)

@@ -24,7 +24,11 @@ def config_file(config: str | os.PathLike[str]) -> Path:
     """The JSON file a path or preset name stands for: the file itself, a model folder's config.json
     (a diffusers pipeline's transformer/config.json), or the preset's file."""
     path = Path(config)
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as e:  # a name over NAME_MAX, say
+        raise ValueError(f"model config {path}: unreadable ({e.strerror or e})") from None
+    if is_dir:
         for inner in (path / CONFIG_FILE, path / "transformer" / CONFIG_FILE):
             if os.path.lexists(inner):
                 return inner

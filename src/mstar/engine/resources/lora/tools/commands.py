@@ -24,7 +24,7 @@ from ..check import (
     module_reasons,
     unservable,
 )
-from ..checkpoint import Checkpoint, default_name, open_checkpoint
+from ..checkpoint import Checkpoint, default_name, open_checkpoint, refusal
 from ..json_file import read_json
 from ..layout import SlotLayout
 from ..models import specs_from_config
@@ -55,8 +55,11 @@ def adapter_argument(arg: str) -> tuple[str, str]:
 
 
 def _default_name(path: str) -> str:
-    name = default_name(path)
-    return name if name not in ("", ".", "..") else default_name(Path(path).resolve())
+    try:
+        name = default_name(path)
+        return name if name not in ("", ".", "..") else default_name(Path(path).resolve())
+    except OSError:  # a name too long to stat: open_checkpoint says so
+        return Path(path).name
 
 
 def named_adapters(args: Sequence[str], serving: str | None = None) -> dict[str, str]:
@@ -108,8 +111,9 @@ def adapter_row(specs: dict[str, LoraSpec], name: str, path: str) -> tuple[Row, 
                 "scaling": None, "targets": [], "file_bytes": None}
     try:
         ckpt = open_checkpoint(path, name)
-    except ValueError as e:
-        return {**row, "reason": str(e), "reasons": [str(e)]}, None
+    except (ValueError, OSError) as e:  # an OSError too is this adapter's, never the gate's crash
+        why = str(e) if isinstance(e, ValueError) else str(refusal(name, path, [e.strerror or str(e)]))
+        return {**row, "reason": why, "reasons": [why]}, None
     row["file_bytes"] = ckpt.size
     nodes = list(specs.values())
     try:  # what cannot be inspected (an alpha that is not a number, say) is a reason like any other
@@ -246,8 +250,9 @@ def cmd_check(args: argparse.Namespace) -> int:
                 row["host_bytes"] = sum(host_bytes(ckpt, layout) for layout in layouts.values())
                 if "experts" in layouts:
                     row["expert_bytes"] = host_bytes(ckpt, layouts["experts"])
-            except ValueError as e:
-                row.update(verdict="refused", reason=str(e), digest=None, host_bytes=None)
+            except (ValueError, OSError) as e:  # a file changed or gone since its header was read
+                why = str(e) if isinstance(e, ValueError) else str(ckpt.refusal([e.strerror or str(e)]))
+                row.update(verdict="refused", reason=why, digest=None, host_bytes=None)
         rows.append(row)
     bad = [r for r in rows if r["verdict"] != "ok"]
     if args.json:
