@@ -106,7 +106,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def adapter_row(specs: dict[str, LoraSpec], name: str, path: str) -> tuple[Row, Checkpoint | None]:
     """One adapter's row from its header alone, its verdict included, and the checkpoint opened (None if
-    it could not be)."""
+    it could not be), its file open for the caller to read and close."""
     row: Row = {"adapter": name, "path": path, "verdict": "refused", "reason": None, "rank": None,
                 "scaling": None, "targets": [], "file_bytes": None}
     try:
@@ -122,6 +122,7 @@ def adapter_row(specs: dict[str, LoraSpec], name: str, path: str) -> tuple[Row, 
         row["scaling"] = ckpt.scaling(nodes[0].convert_keys)
         problems = adapter_problems(nodes, ckpt)
     except ValueError as e:
+        ckpt.close()
         return {**row, "reason": str(e), "reasons": [str(e)]}, None
     touched = [{spec.locate(m).target for m in problems if spec.locate(m)} | i.targets
                for spec, i in zip(nodes, infos, strict=True)]
@@ -212,11 +213,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     rows = []
     for name, path in adapters.items():
         row, ckpt = adapter_row(specs, name, path)
-        if per_module and ckpt is not None:
-            try:
-                row["modules"] = module_rows(specs, ckpt)
-            except ValueError as e:
-                row.update(verdict="refused", reason=str(e), reasons=[str(e)])
+        if ckpt is not None:
+            with ckpt:  # one file open at a time, however many adapters
+                try:
+                    if per_module:
+                        row["modules"] = module_rows(specs, ckpt)
+                except ValueError as e:
+                    row.update(verdict="refused", reason=str(e), reasons=[str(e)])
         rows.append(row)
     if args.json:
         print(_json(rows))
@@ -229,6 +232,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 print(table([_module_cells(m) for m in row["modules"]],
                             ["module", "node", "target", "layer", "slice", "rank", "scaling"]))
     return 0 if all(r["verdict"] == "ok" for r in rows) else 1
+
+
+def _digest(row: Row, ckpt: Checkpoint, nodes: list[LoraSpec], layouts: dict[str, SlotLayout]) -> None:
+    """row's digest and host bytes, by check_checkpoint: it reads and hashes every byte."""
+    try:
+        row["digest"] = check_checkpoint(nodes[0], ckpt, nodes[1:]).hex()
+        row["host_bytes"] = sum(host_bytes(ckpt, layout) for layout in layouts.values())
+        if "experts" in layouts:
+            row["expert_bytes"] = host_bytes(ckpt, layouts["experts"])
+    except (ValueError, OSError) as e:  # a file changed or gone since its header was read
+        why = str(e) if isinstance(e, ValueError) else str(ckpt.refusal([e.strerror or str(e)]))
+        row.update(verdict="refused", reason=why, digest=None, host_bytes=None)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -244,15 +259,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     for name, path in tqdm(adapters.items(), desc="checking", unit="adapter", disable=None, file=sys.stderr):
         row, ckpt = adapter_row(specs, name, path)
         row.update(digest=None, host_bytes=None, **({"expert_bytes": None} if "experts" in layouts else {}))
-        if ckpt is not None and row["verdict"] == "ok":
-            try:
-                row["digest"] = check_checkpoint(nodes[0], ckpt, nodes[1:]).hex()
-                row["host_bytes"] = sum(host_bytes(ckpt, layout) for layout in layouts.values())
-                if "experts" in layouts:
-                    row["expert_bytes"] = host_bytes(ckpt, layouts["experts"])
-            except (ValueError, OSError) as e:  # a file changed or gone since its header was read
-                why = str(e) if isinstance(e, ValueError) else str(ckpt.refusal([e.strerror or str(e)]))
-                row.update(verdict="refused", reason=why, digest=None, host_bytes=None)
+        if ckpt is not None:
+            with ckpt:  # one file open at a time, however many adapters
+                if row["verdict"] == "ok":
+                    _digest(row, ckpt, nodes, layouts)
         rows.append(row)
     bad = [r for r in rows if r["verdict"] != "ok"]
     if args.json:
