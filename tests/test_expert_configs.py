@@ -61,9 +61,9 @@ def test_two_names_that_differ_are_refused(family):
 
 
 @pytest.mark.parametrize(("over", "why"), [({}, r"config names no expert count \(num_experts or num_local_experts\)"),
-                                           ({"num_experts": 0}, r"config's num_experts 0 is not a positive"),
-                                           ({"num_local_experts": "8"}, r"num_local_experts '8' is not a positive"),
-                                           ({"num_experts": True}, r"num_experts True is not a positive")])
+                                           ({"num_experts": 0}, r"num_experts is 0, not a positive"),
+                                           ({"num_local_experts": "8"}, r"num_local_experts is '8', not a positive"),
+                                           ({"num_experts": True}, r"num_experts is True, not a positive")])
 def test_a_count_that_is_missing_or_not_a_count_is_refused(over, why):
     config = {k: v for k, v in CONFIGS["mixtral"].items() if k not in COUNTS}
     with pytest.raises(ValueError, match=why):

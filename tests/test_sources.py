@@ -171,12 +171,13 @@ def test_registering_a_hub_id_pins_its_commit(hub_cache):
 
 
 @pytest.mark.parametrize(("source", "why"), [
-    ("org/nothing", r"org/nothing: Hub repo 'org/nothing' is not in the local cache"),
-    ("org/adapter@v9", r"org/adapter@v9: revision 'v9' of Hub repo 'org/adapter' is not in the local cache"),
+    ("org/nothing", r"no such file or directory; read as a Hub id, it is not in the local Hub cache"),
+    ("org/adapter@v9", r"no such file or directory; read as a Hub id, its revision 'v9' is not in the local Hub cache"),
 ])
-def test_a_hub_id_that_cannot_be_found_is_refused_naming_it(hub_cache, source, why):
-    with pytest.raises(ValueError, match=rf"adapter 'x' \({source}\): {why}"):
+def test_a_hub_id_that_cannot_be_found_is_refused_naming_it_once(hub_cache, source, why):
+    with pytest.raises(ValueError, match=rf"^adapter 'x' \({source}\): {why}") as e:
         check_adapter_file(spec(), "x", source)
+    assert str(e.value).count(source) == 1, "the path once, not three times"
     with pytest.raises(ValueError, match=why):
         manager().register("x", source)
 

@@ -4,13 +4,13 @@ metadata): the rank and scaling it gives each module, and the options not served
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import patterns
+from .json_file import read_json
 
 # Options that change the delta (or the base it applies to) in ways this pool does not serve.
 # An adapter setting any of them is refused rather than served wrong.
@@ -144,14 +144,11 @@ def parse_config(raw: object, source: str = "adapter_config.json") -> AdapterCon
 
 
 def read_config(path: str | os.PathLike[str]) -> AdapterConfig:
-    with open(path, "rb") as f:
-        data = f.read(16 * 1024 * 1024 + 1)
-    if len(data) > 16 * 1024 * 1024:
-        raise ValueError("adapter_config.json is over 16 MiB")
+    """The config in the adapter_config.json at path: a regular file, read without blocking (json_file)."""
     try:
-        raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ValueError(f"adapter_config.json is not valid JSON ({e})") from None
+        raw = read_json(path)
+    except ValueError as e:
+        raise ValueError(f"adapter_config.json is {e}") from None
     return parse_config(raw)
 
 

@@ -107,7 +107,8 @@ def refused_roles(module: str, roles: dict[str, tuple[int, ...]], doubled: Seque
     name), two keys for one weight, an alpha that is not one number, LoRA on the vocabulary."""
     odd = sorted(r for r in roles if r not in SERVED_ROLES)
     why = [ROLE_REASONS.get(r, f"a {r} weight is not LoRA") for r in odd]
-    why += [f"two keys read as its {role} ({key} is one)" for role, key in doubled]
+    # a weight refused by its role is refused once, however many keys it has (LoHa has six)
+    why += [f"two keys read as its {role} ({key} is one)" for role, key in doubled if role in SERVED_ROLES]
     if why:
         return "; ".join(why)
     if "alpha" in roles and math.prod(roles["alpha"]) != 1:
@@ -276,5 +277,15 @@ def check_all(spec: LoraSpec, adapters: Mapping[str, str | os.PathLike[str]], ot
     digests = {name: r for name, r in results.items() if isinstance(r, bytes)}
     failures = [r for r in results.values() if isinstance(r, str)]
     if failures:
-        raise ValueError(f"{len(failures)} of {len(adapters)} adapters cannot be served:\n" + "\n".join(failures))
+        raise ValueError(unservable(failures, len(adapters)))
     return digests
+
+
+def unservable(failures: Sequence[str], total: int) -> str:
+    """The refusals of failures (each naming its adapter) of total adapters checked, under a line counting
+    them where more than one was checked."""
+    if total == 1:
+        return failures[0]
+    count = f"none of the {total}" if len(failures) == total else f"{len(failures)} of {total}"
+    verb = "can" if len(failures) == total else "cannot"
+    return f"{count} adapters {verb} be served:\n" + "\n".join(failures)

@@ -16,7 +16,7 @@ import torch
 from . import hub
 from .adapter_config import AdapterConfig, parse_config, read_config
 from .keys import PEFT_PREFIX, ConvertKeys, ModuleKeys, group_keys
-from .safetensors_header import FLOAT_DTYPES, Header, TensorEntry, read_header
+from .safetensors_header import FLOAT_DTYPES, Header, NotSafetensors, TensorEntry, read_header
 from .source import FileSource
 from .spec import as_linear
 
@@ -58,7 +58,7 @@ def _locate(p: Path) -> tuple[Path, Path | None]:
             if (p / "adapter_model.bin").exists():
                 raise ValueError("only adapter_model.bin, a pickle this pool does not read: save it as safetensors")
             raise ValueError(f"no {WEIGHTS} in the directory")
-        if not (p / CONFIG).is_file():
+        if not os.path.lexists(p / CONFIG):  # one that is there but no file is read_config's to refuse
             raise ValueError(f"no {CONFIG} beside {weights.name}, so its rank and alpha are unknown")
     elif p.is_file():
         if p.suffix != ".safetensors":
@@ -69,7 +69,7 @@ def _locate(p: Path) -> tuple[Path, Path | None]:
     else:
         raise ValueError("no such file or directory")
     config = weights.parent / CONFIG
-    return weights, config if weights.name == WEIGHTS and config.is_file() else None
+    return weights, config if weights.name == WEIGHTS and os.path.lexists(config) else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -225,6 +225,8 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
 def _checkpoint(name: str, weights: Path, config_path: Path | None, source: FileSource) -> Checkpoint:
     try:
         header = read_header(source)
+    except NotSafetensors as e:
+        raise refusal(name, weights, [str(e)]) from None
     except (ValueError, OSError) as e:
         raise refusal(name, weights, [f"bad safetensors file: {e}"]) from None
     try:

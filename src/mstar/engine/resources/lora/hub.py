@@ -18,20 +18,23 @@ ADAPTER_FILES = ["adapter_config.json", "*.safetensors"]
 
 def hub_id(source: str | os.PathLike[str]) -> tuple[str, str | None] | None:
     """(repo, revision) when source names a Hub repo rather than a local path, else None. A path
-    that exists is always a path."""
+    that exists is always a path, and so is one whose first folder exists here (adapters/sql-expert
+    mistyped is a missing file, not a Hub repo)."""
     text = os.fspath(source)
     m = HUB_ID.fullmatch(text)
-    if m is None or Path(text).exists() or text.startswith((".", "/")):
+    if m is None or text.startswith((".", "/")) or Path(text).exists() or Path(m["repo"].split("/")[0]).is_dir():
         return None
     return m["repo"], m["revision"]
 
 
 def resolve(source: str | os.PathLike[str]) -> Path:
-    """source as a local path: itself, or a Hub id's snapshot folder at one commit."""
+    """source as a local path: itself, or a Hub id's snapshot folder at one commit. A ValueError says
+    why not without repeating source, which its caller names."""
     found = hub_id(source)
     if found is None:
         return Path(source)
     repo, revision = found
+    # source is no local path, so each message says so before what the Hub answered
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import (
@@ -40,17 +43,17 @@ def resolve(source: str | os.PathLike[str]) -> Path:
             RevisionNotFoundError,
         )
     except ImportError:
-        raise ValueError(f"{source}: a Hub id, and naming adapters by Hub id needs huggingface_hub "
+        raise ValueError("no such file or directory; read as a Hub id, it needs huggingface_hub "
                          "(pip install huggingface_hub)") from None
-    at = f"revision {revision!r} of " if revision else ""
+    it = f"its revision {revision!r}" if revision else "it"
     try:
         return Path(snapshot_download(repo, revision=revision, allow_patterns=ADAPTER_FILES))
     except RevisionNotFoundError:
-        raise ValueError(f"{source}: the Hub repo {repo!r} has no revision {revision!r}") from None
+        raise ValueError(f"no such file or directory, and Hub repo {repo!r} has no revision {revision!r}") from None
     except RepositoryNotFoundError:
-        raise ValueError(f"{source}: no Hub repo {repo!r} (or no access to it)") from None
+        raise ValueError("no such file or directory, nor a Hub repo (one you may read)") from None
     except LocalEntryNotFoundError:
-        raise ValueError(f"{source}: {at}Hub repo {repo!r} is not in the local cache, and the Hub cannot be "
-                         "reached (offline, or no network)") from None
+        raise ValueError(f"no such file or directory; read as a Hub id, {it} is not in the local Hub cache, and the "
+                         "Hub cannot be reached (offline, or no network)") from None
     except (OSError, ValueError) as e:
-        raise ValueError(f"{source}: {at}Hub repo {repo!r} could not be fetched ({e})") from None
+        raise ValueError(f"no such file or directory; read as a Hub id, {it} could not be fetched ({e})") from None

@@ -74,6 +74,25 @@ class Header:
     prefix: bytes = field(default=b"", compare=False, repr=False)  # the file's first data_start bytes
 
 
+class NotSafetensors(ValueError):
+    """A file whose first 8 bytes cannot be a safetensors header's length: text, a zip, anything else
+    given a .safetensors name."""
+
+
+def _not_safetensors(first: bytes, n: int) -> NotSafetensors | None:
+    """Why a file whose header length n is over the limit is no safetensors file at all, where its first
+    bytes show it: text, a zip, or a length no file could have."""
+    if first.startswith(b"PK\x03\x04"):
+        what = "it is a zip archive, as torch.save writes"
+    elif all(32 <= b < 127 or b in b"\t\n\r" for b in first):
+        what = f"it begins with text, {first!r}"
+    elif n >= 1 << 48:
+        what = f"its first 8 bytes, {first!r}, read as a header length of {n} bytes"
+    else:
+        return None
+    return NotSafetensors(f"not a safetensors file: {what}")
+
+
 def parse_header(prefix: bytes, file_size: int) -> Header:
     """The header of a file of file_size bytes whose first bytes are prefix (8 + its length).
 
@@ -84,7 +103,8 @@ def parse_header(prefix: bytes, file_size: int) -> Header:
         raise ValueError(f"{file_size} bytes is too short for a safetensors file")
     n = int.from_bytes(prefix[:8], "little")
     if n > MAX_HEADER_BYTES:
-        raise ValueError(f"header length {n} is over the {MAX_HEADER_BYTES}-byte limit")
+        raise _not_safetensors(prefix[:8], n) or ValueError(
+            f"header length {n} is over the {MAX_HEADER_BYTES}-byte limit")
     if 8 + n > file_size:
         raise ValueError(f"header length {n} runs past the end of the {file_size}-byte file")
     if len(prefix) < 8 + n:

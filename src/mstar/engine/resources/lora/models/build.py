@@ -1,0 +1,117 @@
+"""Each node's LoraSpec, built from a model's config by its architecture's builder."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..spec import LoraSpec
+from .config import read_model_config
+from .decoder import decoder_spec, phi3_spec
+from .fields import CheckedConfig, FieldError
+from .flux import flux_specs
+from .moe import FAMILIES, moe_specs
+from .qwen2_vl import qwen2_5_vl_specs, qwen2_vl_specs
+from .wan import wan_specs
+
+Builder = Callable[..., dict[str, LoraSpec]]
+
+
+def _decoder(config: Mapping[str, Any], **kw: Any) -> dict[str, LoraSpec]:
+    return {"language_model": decoder_spec(config, **kw)}
+
+
+def _phi3(config: Mapping[str, Any], **kw: Any) -> dict[str, LoraSpec]:
+    return {"language_model": phi3_spec(config, **kw)}
+
+
+def _moe(family: str) -> Builder:
+    def build(config: Mapping[str, Any], **kw: Any) -> dict[str, LoraSpec]:
+        return moe_specs(config, family, **kw)
+
+    return build
+
+
+BUILDERS: dict[str, Builder] = {
+    "llama": _decoder,
+    "mistral": _decoder,
+    "qwen2": _decoder,
+    "qwen3": _decoder,
+    "gemma": _decoder,
+    "gemma2": _decoder,
+    "phi3": _phi3,
+    "qwen2_vl": qwen2_vl_specs,
+    "qwen2_5_vl": qwen2_5_vl_specs,
+    "wan": wan_specs,
+    "flux": flux_specs,
+    **{family: _moe(family) for family in FAMILIES},  # these builders take max_expert_rank
+}
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Phi3ForCausalLM": "phi3",
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "WanTransformer3DModel": "wan",
+    "FluxTransformer2DModel": "flux",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
+}
+
+
+def model_type(config: Mapping[str, Any]) -> str:
+    """The architecture a config names, by model_type or else its architectures list."""
+    mt = config.get("model_type")
+    if mt in BUILDERS:
+        return mt
+    for arch in [config.get("_class_name"), *(config.get("architectures") or ())]:  # diffusers: _class_name
+        if arch in _ARCHITECTURES:
+            return _ARCHITECTURES[arch]
+    named = mt or ", ".join(config.get("architectures") or ()) or "none"
+    raise ValueError(f"unknown architecture {named!r}; known: {', '.join(sorted(BUILDERS))}")
+
+
+def specs_from_config(
+    config: str | os.PathLike[str] | Mapping[str, Any] | Any,
+    *,
+    max_rank: int,
+    capacity: int = 8,
+    adapters: Mapping[str, str] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    max_expert_rank: int | None = None,
+) -> dict[str, LoraSpec]:
+    """Each node's LoraSpec, keyed "language_model" and, for a vision-language model,
+    "vision_tower" ("transformer" for a diffusion transformer; "experts", with max_expert_rank,
+    default max_rank, for a mixture of experts); every node serves the same adapters. config is a
+    dict, a transformers PretrainedConfig, a config JSON file, a model folder or a preset's name."""
+    _positive("max_rank", max_rank)
+    _positive("capacity", capacity)
+    if max_expert_rank is not None:  # never `or max_rank`: 0 is a mistake, not the default
+        _positive("max_expert_rank", max_expert_rank)
+    raw, source = read_model_config(config)
+    try:
+        kind = model_type(CheckedConfig(raw, source))
+        checked = CheckedConfig(raw, source, kind)
+        extra = {"max_expert_rank": max_expert_rank} if kind in FAMILIES else {}
+        return BUILDERS[kind](checked, max_rank=max_rank, capacity=capacity, adapters=dict(adapters or {}),
+                              dtype=dtype, **extra)
+    except FieldError:
+        raise
+    except KeyError as e:
+        raise ValueError(f"{source}: config lacks {e.args[0]!r}, which its architecture needs") from None
+    except ValueError as e:  # the config's, as the builder found it
+        raise ValueError(f"{source}: {e}") from None
+
+
+def _positive(what: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive integer, not {value!r}")
