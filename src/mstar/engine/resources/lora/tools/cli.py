@@ -183,18 +183,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def _sample_count(text: str) -> int:
-    from .demo import SAMPLES
-
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= len(SAMPLES):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number from 0 to {len(SAMPLES)}")
-    return n
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mstar-lora", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -215,11 +203,11 @@ def parser() -> argparse.ArgumentParser:
             c.add_argument("--modules", action="store_true",
                            help="each module's target, rank and scaling too (the default for one adapter)")
         c.set_defaults(fn=fn)
-    d = sub.add_parser("demo", help="sample adapters through the whole pool on a tiny model")
-    d.add_argument("--model", default="tiny-llama", help=model_help)
-    d.add_argument("--adapters", type=_sample_count, default=6,
-                   help="how many of the six sample adapters to write, 0 to 6 (default 6)")
-    d.add_argument("--keep", help="write the sample adapters here instead of a temporary folder")
+    from .demo_models import model_help as demo_model_help
+
+    d = sub.add_parser("demo", help="the manager serving a trace on a tiny model, checked against PEFT")
+    d.add_argument("--model", default="tiny-llama", help=demo_model_help())
+    d.add_argument("--keep", help="write the sample adapters here (and keep them) instead of a temporary folder")
     d.set_defaults(fn=cmd_demo)
     return p
 
