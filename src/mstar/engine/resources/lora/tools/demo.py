@@ -117,12 +117,12 @@ def events(manager: LoraManager, paths: dict[str, Path], root: Path,
               "admitted from now on get them, running ones keep the old")
 
     def break_file() -> None:
-        digest = manager.registry.resolve(BROKEN).digest
-        kept = shutil.copytree(paths[BROKEN], root / f"{BROKEN}-as-checked")  # what PEFT checks against
-        folders[digest] = (BROKEN, kept)
+        v = manager.registry.resolve(BROKEN)
+        # the weights as checked, for PEFT to check the requests served before the break against
+        folders[v.digest] = (BROKEN, shutil.copytree(paths[BROKEN], root / f"{BROKEN}-as-checked", dirs_exist_ok=True))
         weights = paths[BROKEN] / "adapter_model.safetensors"
         os.truncate(weights, weights.stat().st_size // 2)
-        copy = manager.stores["language_model"].get(manager.registry.resolve(BROKEN).key)
+        copy = manager.stores["language_model"].get(v.key)
         print(f"  -- {BROKEN}'s adapter_model.safetensors truncated to half on disk; its host copy "
               f"{'is still in' if copy is not None else 'was evicted'}")
 

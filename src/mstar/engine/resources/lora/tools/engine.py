@@ -50,12 +50,16 @@ class Engine:
         # transformers 5 calls the KV cache `cache`, 4 `past_key_values`
         self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    def run(self, jobs: list[Job], events: Mapping[int, Callable[[], None]]) -> None:
-        """Every job to its end (all its tokens, or its failure), with events[n]() run before step n."""
+    def run(self, jobs: list[Job], events: Mapping[int, Callable[[], None]], max_steps: int = 1000) -> None:
+        """Every job to its end (all its tokens, or its failure), with events[n]() run before step n; a
+        RuntimeError past max_steps (a read that never lands would otherwise keep its request waiting)."""
         queue: list[Job] = []
         running: list[Job] = []
         n, counters = 0, self.manager.counters
         while any(j.arrives >= n for j in jobs) or queue or running:
+            if n == max_steps:
+                raise RuntimeError(f"the trace is not done after {n} steps: {' '.join(j.id for j in queue)} still "
+                                   f"wait, {' '.join(j.id for j in running)} still run")
             if n in events:
                 events[n]()
             arrived = [j for j in jobs if j.arrives == n]
@@ -75,11 +79,12 @@ class Engine:
             done = [j for j in running if len(j.tokens) == j.wants]
             running = [j for j in running if j not in done]
             now = self.manager.counters
-            self.report(StepReport(n, arrived, started, failed, done, len(running), len(queue), counters, now,
-                                   self.manager))
+            if arrived or started or failed or done or running or now != counters:
+                self.report(StepReport(n, arrived, started, failed, done, len(running), len(queue), counters, now,
+                                       self.manager))
+            else:
+                time.sleep(0.01)  # nothing ran and nothing changed: an idle engine waits for reads or arrivals
             counters = now
-            if not running and queue:
-                time.sleep(0.002)  # nothing to run: an idle engine waits for reads or arrivals
             n += 1
 
     def forward(self, step: Step, running: list[Job]) -> None:
