@@ -20,14 +20,14 @@ RANKS = {"a": 2, "b": 4, "c": 6, "d": 2}
 
 
 class SlowStore(LoraAdapterStore):
-    """A store whose reads of c take 30 ms longer (a disk slower than the page cache), and whose reads of
-    d wait until the test lets them go."""
+    """A store whose reads take 10 ms longer (a disk slower than the page cache: a read never lands before
+    the step that started it counts its miss), c's 30 ms, and whose reads of d wait until the test lets
+    them go."""
 
     go = threading.Event()
 
     def read(self, name, path, digest=None):
-        if name == "c":
-            time.sleep(0.03)
+        time.sleep(0.03 if name == "c" else 0.01)
         if name == "d":
             assert self.go.wait(timeout=60), "the test never let d's read go"
         return super().read(name, path, digest)

@@ -79,7 +79,8 @@ class LoraCollector:
         pools = list(self.manager.pools.values())
         keys = [k for k in pools[0].resident() if k is not None and all(p.slot_of(k) is not None for p in pools)]
         host = self.host_ranks()
-        self._ranks = {k: host.get(k) or self._ranks.get(k) or self.slot_rank(k) for k in keys}
+        self._ranks = {k: host[k] if k in host else self._ranks[k] if k in self._ranks else self.slot_rank(k)
+                       for k in keys}
         return dict(self._ranks)
 
     def slot_rank(self, key: str) -> int:

@@ -48,7 +48,8 @@ def shrink(raw: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in raw.items() if k not in DROPPED}
     heads = raw.get("num_attention_heads") or TINY["num_attention_heads"]
     kv = raw.get("num_key_value_heads") or heads
-    out.update(TINY, **NO_TOKENS, num_key_value_heads=max(1, TINY["num_attention_heads"] * kv // heads))
+    share = max(1, TINY["num_attention_heads"] * kv // heads)
+    out.update(TINY, **NO_TOKENS, num_key_value_heads=1 << (share.bit_length() - 1))  # a power of two divides 8
     out["num_hidden_layers"] = min(raw.get("num_hidden_layers", TINY["num_hidden_layers"]),
                                    TINY["num_hidden_layers"])
     if "layer_types" in raw:  # gpt-oss: sliding and full attention alternate
