@@ -10,6 +10,7 @@ forward waits on). A step never waits on a read: a request whose adapter is not 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import os
 import threading
@@ -55,6 +56,10 @@ class Step:
     ready: torch.cuda.Event | None = None
 
 
+# Upper bounds of the read-latency buckets, in seconds (a warm 84 MB read takes ~6 ms here, a cold disk far more).
+READ_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
 @dataclass
 class Counters:
     """What the manager has done since it started; waiting is the last step's."""
@@ -64,6 +69,7 @@ class Counters:
     reads: int = 0
     bytes_read: int = 0  # host bytes filled by reads, every node
     read_seconds: float = 0.0
+    read_buckets: tuple[int, ...] = (0,) * (len(READ_SECONDS_BUCKETS) + 1)  # reads per bucket, the last past 10 s
     read_failures: int = 0
     evictions: int = 0  # adapters the host tier dropped for room
     device_copies: int = 0
@@ -352,7 +358,10 @@ class LoraManager:
             c = self._counters
             c.reads += 1
             c.bytes_read += sum(a.nbytes for a in copies.values())
-            c.read_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            c.read_seconds += seconds
+            i = bisect.bisect_left(READ_SECONDS_BUCKETS, seconds)
+            c.read_buckets = (*c.read_buckets[:i], c.read_buckets[i] + 1, *c.read_buckets[i + 1 :])
 
     def _agree(self, versions: list[Version]) -> tuple[dict[str, int], dict[str, ValueError]]:
         """Each version's state on every rank (one collective), and why each that failed anywhere did:

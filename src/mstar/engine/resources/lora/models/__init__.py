@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .config import PRESETS, load_config, presets
+from .config import PRESETS, load_config, model_type, presets
 
 if TYPE_CHECKING:
-    from .build import BUILDERS, model_type, specs_from_config
+    from .build import BUILDERS, specs_from_config
 
 __all__ = ["BUILDERS", "PRESETS", "load_config", "model_type", "presets", "specs_from_config"]
-_BUILT = ("BUILDERS", "model_type", "specs_from_config")
+_BUILT = ("BUILDERS", "specs_from_config")
 
 
 def __getattr__(name: str) -> Any:

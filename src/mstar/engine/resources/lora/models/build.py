@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..spec import LoraSpec
-from .config import read_model_config
+from .config import ARCHITECTURES, model_type, read_model_config
 from .decoder import decoder_spec, phi3_spec
 from .fields import CheckedConfig, FieldError
 from .flux import flux_specs
@@ -50,34 +50,8 @@ BUILDERS: dict[str, Builder] = {
     **{family: _moe(family) for family in FAMILIES},  # these builders take max_expert_rank
 }
 
-_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "GemmaForCausalLM": "gemma",
-    "Gemma2ForCausalLM": "gemma2",
-    "Phi3ForCausalLM": "phi3",
-    "Qwen2VLForConditionalGeneration": "qwen2_vl",
-    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
-    "WanTransformer3DModel": "wan",
-    "FluxTransformer2DModel": "flux",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-    "GptOssForCausalLM": "gpt_oss",
-}
-
-
-def model_type(config: Mapping[str, Any]) -> str:
-    """The architecture a config names, by model_type or else its architectures list."""
-    mt = config.get("model_type")
-    if mt in BUILDERS:
-        return mt
-    for arch in [config.get("_class_name"), *(config.get("architectures") or ())]:  # diffusers: _class_name
-        if arch in _ARCHITECTURES:
-            return _ARCHITECTURES[arch]
-    named = mt or ", ".join(config.get("architectures") or ()) or "none"
-    raise ValueError(f"unknown architecture {named!r}; known: {', '.join(sorted(BUILDERS))}")
+if set(BUILDERS) != set(ARCHITECTURES.values()):
+    raise ImportError("every architecture config.py names needs a builder here, and only those")
 
 
 def specs_from_config(

@@ -68,3 +68,37 @@ def load_config(config: Any) -> dict[str, Any]:
     """A config dict from a dict, a transformers PretrainedConfig, a JSON file's path, a model folder (its
     config.json) or a built-in preset's name."""
     return read_model_config(config)[0]
+
+
+# Each architecture by the class name a config may give instead of its model_type, and so every architecture
+# the builders (build.py) serve.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Phi3ForCausalLM": "phi3",
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "WanTransformer3DModel": "wan",
+    "FluxTransformer2DModel": "flux",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
+}
+
+
+def model_type(config: Mapping[str, Any]) -> str:
+    """The architecture a config names, by model_type or else its architectures list."""
+    mt = config.get("model_type")
+    if isinstance(mt, str) and mt in ARCHITECTURES.values():
+        return mt
+    archs = config.get("architectures")
+    archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    for arch in [config.get("_class_name"), *archs]:  # diffusers: _class_name
+        if isinstance(arch, str) and arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    named = mt or ", ".join(archs) or "none"
+    raise ValueError(f"unknown architecture {named!r}; known: {', '.join(sorted(set(ARCHITECTURES.values())))}")

@@ -41,18 +41,6 @@ def model_argument(text: str) -> str:
     return text
 
 
-def _sample_count(text: str) -> int:
-    from .demo import SAMPLES
-
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= len(SAMPLES):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number from 0 to {len(SAMPLES)}")
-    return n
-
-
 def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The command's parser, and each subcommand's."""
     p = argparse.ArgumentParser(prog="mstar-lora", description=__doc__, epilog=EXIT_CODES, formatter_class=FORMAT)
@@ -76,11 +64,11 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
             c.add_argument("--modules", action="store_true",
                            help="each module's target, rank and scaling too (the default for one adapter)")
         commands[name] = c
-    d = sub.add_parser("demo", help="sample adapters through the whole pool on a tiny model")
-    d.add_argument("--model", default="tiny-llama", help=model_help)
-    d.add_argument("--adapters", type=_sample_count, default=6,
-                   help="how many of the six sample adapters to write, 0 to 6 (default 6)")
-    d.add_argument("--keep", help="write the sample adapters here instead of a temporary folder")
+    from .demo_models import model_help as demo_model_help
+
+    d = sub.add_parser("demo", help="the manager serving a trace on a tiny model, checked against PEFT")
+    d.add_argument("--model", default="tiny-llama", help=demo_model_help())
+    d.add_argument("--keep", help="write the sample adapters here (and keep them) instead of a temporary folder")
     commands["demo"] = d
     return p, commands
 

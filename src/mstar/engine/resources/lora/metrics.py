@@ -1,0 +1,97 @@
+"""The manager's state for Prometheus: which adapter versions each tier holds, and what the manager has done.
+
+A router that places requests where their adapter is resident reads mstar_lora_adapter_resident (llm-d's
+scorer weighs an adapter in GPU memory above one in CPU memory above a free slot); the counters and the
+read-latency histogram tell an operator whether the host tier is big enough. Needs prometheus_client
+(`pip install 'mstar-lora[metrics]'`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+try:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+except ImportError as e:  # an optional extra: say which
+    raise ImportError("mstar.engine.resources.lora.metrics needs prometheus_client: "
+                      "pip install 'mstar-lora[metrics]'") from e
+
+from .manager import READ_SECONDS_BUCKETS, LoraManager
+
+# counter name: (Counters field, what it counts)
+COUNTERS = {
+    "mstar_lora_reads": ("reads", "Adapter versions read into host memory."),
+    "mstar_lora_read_failures": ("read_failures", "Reads that failed (the file gone, changed since its check, "
+                                                  "unreadable); each fails its adapter's waiting requests."),
+    "mstar_lora_host_hits": ("host_hits", "Requests whose adapter was in host memory when they first waited."),
+    "mstar_lora_host_misses": ("host_misses", "Requests whose adapter had to be read when they first waited."),
+    "mstar_lora_evictions": ("evictions", "Adapter versions the host tier dropped for room."),
+    "mstar_lora_device_copies": ("device_copies", "Copies into device slots, one per target an adapter has."),
+    "mstar_lora_failed_requests": ("failed_requests", "Requests refused because their adapter cannot be served."),
+}
+
+
+class LoraCollector:
+    """A prometheus_client collector over one manager: register it on a CollectorRegistry, and every scrape
+    reads the manager's public state as it is then (the stores, the pools, counters)."""
+
+    def __init__(self, manager: LoraManager) -> None:
+        self.manager = manager
+        self._ranks: dict[str, int] = {}  # device-resident versions' ranks, read once from their slots
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.manager.counters
+        resident = GaugeMetricFamily("mstar_lora_adapter_resident", "1 for each adapter version resident in a "
+                                     "tier: host memory (its copy read) or a device slot.",
+                                     labels=["tier", "adapter", "version", "rank"])
+        for tier, ranks in (("host", self.host_ranks()), ("device", self.device_ranks())):
+            for key, rank in ranks.items():
+                adapter, _, digest = key.rpartition("@")  # the tiers hold a version as name@digest16
+                resident.add_metric([tier, adapter, digest, str(rank)], 1)
+        yield resident
+        for name, (field, doc) in COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=getattr(c, field))
+        cumulative, buckets = 0, []
+        for bound, n in zip((*READ_SECONDS_BUCKETS, float("inf")), c.read_buckets, strict=True):
+            cumulative += n
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        yield HistogramMetricFamily("mstar_lora_read_seconds", "How long each adapter read took, from its start "
+                                    "on a worker to its copy put in host memory.", buckets=buckets,
+                                    sum_value=c.read_seconds)
+        yield GaugeMetricFamily("mstar_lora_waiting_requests", "Requests the last step left waiting on an adapter.",
+                                value=c.waiting_on_adapter)
+        yield GaugeMetricFamily("mstar_lora_host_bytes", "Host memory the adapters' copies hold, every node.",
+                                value=sum(s.nbytes for s in self.manager.stores.values()))
+
+    def host_ranks(self) -> dict[str, int]:
+        """Each version whose copy every node's store holds, with its rank (the largest over the nodes)."""
+        stores = list(self.manager.stores.values())
+        out = {}
+        for key in stores[0].held():
+            copies = [s.get(key) for s in stores]
+            if all(a is not None for a in copies):
+                out[key] = max(a.rank for a in copies)
+        return out
+
+    def device_ranks(self) -> dict[str, int]:
+        """Each version in a slot of every node's pool, with its rank: the host copy's where there is one,
+        else read once from its slots (the rows of A its modules fill)."""
+        pools = list(self.manager.pools.values())
+        keys = [k for k in pools[0].resident() if k is not None and all(p.slot_of(k) is not None for p in pools)]
+        host = self.host_ranks()
+        self._ranks = {k: host[k] if k in host else self._ranks[k] if k in self._ranks else self.slot_rank(k)
+                       for k in keys}
+        return dict(self._ranks)
+
+    def slot_rank(self, key: str) -> int:
+        """The largest rank of key's modules, from its slots: a module of rank r fills the first r of its
+        slice's max_rank rows of A and leaves the rest zero."""
+        rank = 0
+        for pool in self.manager.pools.values():
+            slot = pool.slot_of(key)
+            for a in pool.a.values():
+                rows = a[slot].abs().sum(dim=(0, 2)).view(-1, pool.spec.max_rank) != 0  # [slices, max_rank]
+                filled = rows.any(0).nonzero()
+                if len(filled):
+                    rank = max(rank, int(filled[-1]) + 1)
+        return rank
