@@ -45,9 +45,12 @@ def resolve(source: str | os.PathLike[str]) -> Path:
     except ImportError:
         raise ValueError("no such file or directory; read as a Hub id, it needs huggingface_hub "
                          "(pip install huggingface_hub)") from None
+    why = _unsafe(repo, revision)
+    if why:
+        raise ValueError(f"no such file or directory; read as a Hub id, {why}")
     it = f"its revision {revision!r}" if revision else "it"
     try:
-        return Path(snapshot_download(repo, revision=revision, allow_patterns=ADAPTER_FILES))
+        found = Path(snapshot_download(repo, revision=revision, allow_patterns=ADAPTER_FILES))
     except RevisionNotFoundError:
         raise ValueError(f"no such file or directory, and Hub repo {repo!r} has no revision {revision!r}") from None
     except RepositoryNotFoundError:
@@ -57,3 +60,30 @@ def resolve(source: str | os.PathLike[str]) -> Path:
                          "Hub cannot be reached (offline, or no network)") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"no such file or directory; read as a Hub id, {it} could not be fetched ({e})") from None
+    return _in_cache(found, repo)
+
+
+def _unsafe(repo: str, revision: str | None) -> str | None:
+    """Why a Hub id could name something outside its repo's cache folder, or None. Git's ref names hold
+    no '..', no empty or hidden components, and no leading or trailing slash; the Hub's repo ids no '..'."""
+    if ".." in repo:
+        return f"the repo id {repo!r} holds '..'"
+    if revision is not None:
+        parts = revision.split("/")
+        if ".." in revision or revision.startswith("/") or any(not p or p.startswith(".") for p in parts):
+            return f"the revision {revision!r} is not a git ref name (empty or hidden components, '..', a slash)"
+    return None
+
+
+def _in_cache(found: Path, repo: str) -> Path:
+    """found, checked to be the repo's snapshot of one commit inside the Hub cache: offline, huggingface_hub
+    takes a ref file's text as the commit, and a ref may name anything."""
+    from huggingface_hub import constants
+
+    org, name = repo.split("/")
+    snapshots = Path(constants.HF_HUB_CACHE).resolve() / f"models--{org}--{name}" / "snapshots"
+    real = found.resolve()
+    if real.parent != snapshots or not re.fullmatch(r"[0-9a-f]{40}", real.name):
+        raise ValueError(f"no such file or directory; read as a Hub id, it resolved to {found}, which is not one "
+                         f"commit's snapshot in the Hub cache ({snapshots})")
+    return found
