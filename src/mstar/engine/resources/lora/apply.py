@@ -96,7 +96,7 @@ def _times_transposed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     one), where an elementwise op is one parallel region, or none below torch's grain size."""
     if x.device.type != "cpu":
         return x @ w.T
-    step = max(1, (1 << 22) // max(1, w.numel()))
-    wf = w.float()
-    return torch.cat([(x[i : i + step, None, :].float() * wf).sum(-1) for i in range(0, max(len(x), 1), step)]
-                     ).to(x.dtype)
+    step, wf = max(1, (1 << 22) // max(1, w.numel())), w.float()
+    if len(x) <= step:
+        return (x[:, None, :].float() * wf).sum(-1).to(x.dtype)
+    return torch.cat([(x[i : i + step, None, :].float() * wf).sum(-1) for i in range(0, len(x), step)]).to(x.dtype)

@@ -102,8 +102,8 @@ class LoraDevicePool:
                 self.copies += 1
                 self.bytes_moved += src.numel() * src.element_size()
         self._written[slot] = set(adapter.a)
-        row = self._rank_row(adapter)
-        self._ranks[slot].copy_(row, non_blocking=row.is_pinned())
+        # From pageable memory the driver stages so small a copy at once: it waits on nothing queued.
+        self._ranks[slot].copy_(self._rank_row(adapter), non_blocking=self.device.type == "cuda")
         self._hold_until_copied(adapter if asynchronous else None)
         self.scaling[slot] = adapter.scaling
         self._names[slot], self._versions[slot] = adapter.name, adapter.version
@@ -112,7 +112,7 @@ class LoraDevicePool:
 
     def _rank_row(self, adapter: LoadedAdapter) -> torch.Tensor:
         """adapter's ranks laid out as a row of the ranks tensor: 0 for targets it lacks, max_rank for one
-        it has without ranks (built by hand); pinned for a CUDA pool, so its copy does not wait."""
+        it has without ranks (built by hand)."""
         row = torch.zeros(self._ranks.shape[1], dtype=torch.int32)
         at = 0
         for name, view in self.ranks.items():
@@ -121,7 +121,7 @@ class LoraDevicePool:
                 ranks = adapter.ranks.get(name)
                 row[at : at + n] = ranks.flatten() if ranks is not None else self.spec.max_rank
             at += n
-        return row.pin_memory() if self.device.type == "cuda" else row
+        return row
 
     def _hold_until_copied(self, adapter: LoadedAdapter | None) -> None:
         """Keep an adapter whose copies are still in flight referenced until they land: the host tier
