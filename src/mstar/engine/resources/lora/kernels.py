@@ -15,6 +15,7 @@ is how they are tested without a GPU.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -26,8 +27,11 @@ from .layout import TargetLayout
 from .pool import LoraDevicePool
 from .spec import Slices
 
-# triton.jit decides at decoration whether a kernel is interpreted, so this is read with the kernels.
-_INTERPRETED = bool(triton.knobs.runtime.interpret)
+# triton.jit decides at decoration whether a kernel is interpreted, so this is read with the kernels (from the
+# environment, as triton reads it, where a triton before 3.4 has no knobs).
+_knobs = getattr(triton, "knobs", None)
+_INTERPRETED = bool(_knobs.runtime.interpret) if _knobs else os.environ.get("TRITON_INTERPRET", "0").lower() in (
+    "1", "true", "on", "yes")
 
 
 def interpreting() -> bool:
