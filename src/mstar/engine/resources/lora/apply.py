@@ -43,6 +43,8 @@ def add_lora(
     it is installed, else torch.
     """
     backend = backend or default_backend(x.device)
+    if isinstance(slots, LoraBatch):
+        slots.check(pool.slots, pool.scaling.device)  # the slabs' own device: "cuda" names no index
     if backend == "torch":
         return _add_lora_torch(out, x, pool, target, layer, slots.slots if isinstance(slots, LoraBatch) else slots,
                                slice_)
@@ -73,19 +75,24 @@ def _add_lora_torch(out: torch.Tensor, x: torch.Tensor, pool: LoraDevicePool, ta
                     slots: torch.Tensor, slice_: Slices) -> torch.Tensor:
     t = pool.layout.targets[target]
     covered = t.target.covered(slice_)
-    for slot in torch.unique(slots[slots >= 0]).tolist():
-        idx = (slots == slot).nonzero().squeeze(1)
-        a, b = pool.a[target][slot, layer], pool.b[target][slot, layer]
-        ranks = pool.ranks[target][slot, layer].tolist()
+    order = torch.argsort(slots, stable=True)  # tokens of no adapter first, then slot by slot
+    counts = torch.bincount(slots + 1, minlength=pool.slots + 1).tolist()
+    ranks, scaling = pool.ranks[target][:, layer].tolist(), pool.scaling.tolist()
+    a, b = pool.a[target][:, layer], pool.b[target][:, layer]
+    start = counts[0]
+    for slot, n in enumerate(counts[1:]):
+        if not n:
+            continue
+        idx, start = order[start : start + n], start + n
         xs = x.index_select(0, idx).to(a.dtype)
         parts = []
         for s in covered:
-            first = t.a_rows(s).start
-            h = _times_transposed(xs, a[first : first + ranks[s]])  # [tokens, rank]
-            parts.append(_times_transposed(h, b[t.b_rows(s), : ranks[s]]))
-        delta = torch.cat(parts, 1) * pool.scaling[slot]
+            r, first = ranks[slot][s], t.a_rows(s).start
+            h = _times_transposed(xs, a[slot, first : first + r])  # [tokens, rank]
+            parts.append(_times_transposed(h, b[slot, t.b_rows(s), :r]))
+        delta = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
         # index_add_ would do, but on the CPU it starts threads for a few rows (milliseconds on a busy machine)
-        out.index_put_((idx,), delta.to(out.dtype), accumulate=True)
+        out.index_put_((idx,), (delta * scaling[slot]).to(out.dtype), accumulate=True)
     return out
 
 

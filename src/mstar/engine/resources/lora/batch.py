@@ -36,6 +36,7 @@ class LoraBatch:
     tile_start: torch.Tensor  # [tiles] int32, a position in order
     tile_end: torch.Tensor  # [tiles] int32: where the tile's segment (one slot's tokens) ends
     block_m: int
+    slot_count: int  # the pool's slots it was built for: no slot at or past it is read
 
     @classmethod
     def build(cls, slots: torch.Tensor, slot_count: int, block_m: int | None = None) -> LoraBatch:
@@ -71,11 +72,19 @@ class LoraBatch:
             tile_start=tile_start.to(torch.int32),
             tile_end=ends[seg].to(torch.int32),
             block_m=block_m,
+            slot_count=slot_count,
         )
 
     @property
     def tokens(self) -> int:
         return self.slots.numel()
+
+    def check(self, slots: int, device: torch.device) -> None:
+        """Refuse a pool it cannot be read with: one of fewer slots (its slots could lie past the slabs) or on
+        another device."""
+        if self.slot_count > slots or self.slots.device != device:
+            raise ValueError(f"a LoraBatch built for {self.slot_count} slots on {self.slots.device} cannot be read "
+                             f"with a pool of {slots} slots on {device}")
 
 
 def _check_slots(slots: torch.Tensor, slot_count: int) -> None:

@@ -27,7 +27,7 @@ class TokenSlots:
     def __init__(self) -> None:
         self._rows = torch.empty(0, dtype=torch.long)
         self._patches = torch.empty(0, dtype=torch.long)
-        self._batches: dict[tuple[str, int], LoraBatch] = {}
+        self._batches: dict[str, tuple[int, LoraBatch]] = {}  # per node, the last forward's
         self.builds = 0  # LoraBatches built, so a test can tell they are shared
 
     @property
@@ -47,12 +47,12 @@ class TokenSlots:
         self._patches, self._batches = slots, {}
 
     def batch(self, node: str, tokens: int, slot_count: int) -> LoraBatch:
-        """The node's tokens grouped by slot, built at the first call of a forward and shared after."""
-        key = (node, tokens)
-        if key not in self._batches:
-            self._batches[key] = LoraBatch.build(self.for_tokens(node, tokens), slot_count)
+        """The node's tokens grouped by slot, built at the first call of a forward and shared after (a
+        forward of another token count, the next step's, builds its own)."""
+        if node not in self._batches or self._batches[node][0] != tokens:
+            self._batches[node] = (tokens, LoraBatch.build(self.for_tokens(node, tokens), slot_count))
             self.builds += 1
-        return self._batches[key]
+        return self._batches[node][1]
 
     def for_tokens(self, node: str, tokens: int) -> torch.Tensor:
         if node == "vision_tower":
