@@ -45,7 +45,12 @@ class LoraDevicePool:
             self.a[name], self.b[name] = t.split(slab[:, : t.numel])
         self.scaling = torch.zeros(slots, dtype=torch.float32, device=self.device)
         grids = {name: (t.target.layers, t.target.slices) for name, t in self.layout.targets.items()}
-        self._ranks = torch.zeros(slots, sum(n * s for n, s in grids.values()), dtype=torch.int32, device=self.device)
+        width = sum(n * s for n, s in grids.values())
+        self._ranks = torch.zeros(slots, width, dtype=torch.int32, device=self.device)
+        # Where each row is written before its copy: pinned, so the copy waits on nothing queued (from pageable
+        # memory the driver may wait for the stream first). A row rewritten before its last copy landed is
+        # only ever rewritten by a later activation of the slot, whose copy follows on the same stream.
+        self._staged_ranks = torch.zeros(slots, width, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         self.ranks: dict[str, torch.Tensor] = {}
         at = 0
         for name, (n, s) in grids.items():
@@ -102,8 +107,8 @@ class LoraDevicePool:
                 self.copies += 1
                 self.bytes_moved += src.numel() * src.element_size()
         self._written[slot] = set(adapter.a)
-        # From pageable memory the driver stages so small a copy at once: it waits on nothing queued.
-        self._ranks[slot].copy_(self._rank_row(adapter), non_blocking=self.device.type == "cuda")
+        self._staged_ranks[slot] = self._rank_row(adapter)
+        self._ranks[slot].copy_(self._staged_ranks[slot], non_blocking=self.device.type == "cuda")
         self._hold_until_copied(adapter if asynchronous else None)
         self.scaling[slot] = adapter.scaling
         self._names[slot], self._versions[slot] = adapter.name, adapter.version
