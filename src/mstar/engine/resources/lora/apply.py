@@ -2,7 +2,7 @@
 
 "torch" is the reference: tokens grouped by slot on the host, clear rather than fast. "triton" runs
 kernels.py's two launches for any mix of slots, with no host synchronisation, on CUDA or (for tests)
-under Triton's interpreter on the CPU. Both compute each slot's real rank, never the padding to R.
+under Triton's interpreter on the CPU. Both read each slot's real rank of A and B, never the padding to R.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ no gather and no copy. One launch covers every slice the call names and every ti
 LoraBatch, whichever slot it uses; a tile of no slot, a rank block past the slot's real rank, and an
 output block past its slice return at once, so the grid depends only on the token count, the pool
 and the target. Each slot's real rank per slice (pool.ranks) bounds the rows of A and the columns of B
-read: the padding to R is never loaded, let alone multiplied.
+read: the padding to R is never loaded, and is multiplied only up to the next 16 rows (the smallest
+block a tensor core takes).
 
 On the CPU they run under Triton's interpreter (TRITON_INTERPRET=1 before triton is imported), which
 is how they are tested without a GPU.
@@ -82,6 +83,8 @@ def add_lora_triton(out: torch.Tensor, x: torch.Tensor, pool: LoraDevicePool, ta
     if out.shape != (batch.tokens, width) or x.shape != (batch.tokens, t.a_shape[2]):
         raise ValueError(f"target {target}: x {list(x.shape)} and out {list(out.shape)} do not fit "
                          f"[{batch.tokens}, {t.a_shape[2]}] and [{batch.tokens}, {width}]")
+    if not x.device == out.device == pool.scaling.device:
+        raise ValueError(f"target {target}: x on {x.device} and out on {out.device}, the pool on {pool.scaling.device}")
     if batch.tile_slot.numel() == 0:
         return out
     blocks = blocks or blocks_for(batch, t.a_shape[2])
