@@ -1,7 +1,8 @@
 """mstar.engine.resources.lora: the adapter pool of a multi-LoRA inference engine.
 
 The engine-facing names are importable from here: the model's specs, the startup check, the host
-tier (store), the device tier (pool), the reference op, and the manager that runs them per step.
+tier (store), the device tier (pool), the LoRA op and its per-step batch, and the manager that runs them
+per step.
 Each loads on first use, so what needs no torch (the command line's --help) starts without it.
 """
 
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .apply import add_lora
+    from .batch import LoraBatch
     from .check import adapter_targets, check_adapter_file, check_adapters, inspect_adapter
     from .digest import adapter_digest
     from .layout import SlotLayout, TargetLayout
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 # Each name, and the module it lives in.
 _HOMES = {
     "add_lora": "apply",
+    "LoraBatch": "batch",
     "adapter_targets": "check", "check_adapter_file": "check", "check_adapters": "check", "inspect_adapter": "check",
     "adapter_digest": "digest",
     "SlotLayout": "layout", "TargetLayout": "layout",
@@ -42,6 +45,7 @@ __all__ = [
     "LoadedAdapter",
     "Location",
     "LoraAdapterStore",
+    "LoraBatch",
     "LoraDevicePool",
     "LoraManager",
     "LoraSpec",

@@ -17,7 +17,9 @@ class LoraDevicePool:
 
     Per target, one slab [slots, block] whose row is the target's block as layout.py lays it out for
     the host tier too, so a held adapter's target moves in one copy. Slots are reused least recently
-    activated first, never one the running batch needs.
+    activated first, never one the running batch needs. ranks[target] is [slots, layers, slices]: each
+    slot's real rank per module (0 where it has none), which the kernels compute instead of max_rank;
+    all targets' ranks lie in one tensor, so an activation moves them in one copy.
     """
 
     def __init__(
@@ -42,6 +44,18 @@ class LoraDevicePool:
             self.slabs[name] = slab
             self.a[name], self.b[name] = t.split(slab[:, : t.numel])
         self.scaling = torch.zeros(slots, dtype=torch.float32, device=self.device)
+        grids = {name: (t.target.layers, t.target.slices) for name, t in self.layout.targets.items()}
+        width = sum(n * s for n, s in grids.values())
+        self._ranks = torch.zeros(slots, width, dtype=torch.int32, device=self.device)
+        # Where each row is written before its copy: pinned, so the copy waits on nothing queued (from pageable
+        # memory the driver may wait for the stream first). A row rewritten before its last copy landed is
+        # only ever rewritten by a later activation of the slot, whose copy follows on the same stream.
+        self._staged_ranks = torch.zeros(slots, width, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self.ranks: dict[str, torch.Tensor] = {}
+        at = 0
+        for name, (n, s) in grids.items():
+            self.ranks[name] = self._ranks[:, at : at + n * s].unflatten(1, (n, s))
+            at += n * s
         self._names: list[str | None] = [None] * slots
         self._versions: list[object] = [None] * slots
         self._written: list[set[str]] = [set() for _ in range(slots)]  # targets each slot has weights in
@@ -93,11 +107,26 @@ class LoraDevicePool:
                 self.copies += 1
                 self.bytes_moved += src.numel() * src.element_size()
         self._written[slot] = set(adapter.a)
+        self._staged_ranks[slot] = self._rank_row(adapter)
+        self._ranks[slot].copy_(self._staged_ranks[slot], non_blocking=self.device.type == "cuda")
         self._hold_until_copied(adapter if asynchronous else None)
         self.scaling[slot] = adapter.scaling
         self._names[slot], self._versions[slot] = adapter.name, adapter.version
         self._recent.move_to_end(slot)
         return slot
+
+    def _rank_row(self, adapter: LoadedAdapter) -> torch.Tensor:
+        """adapter's ranks laid out as a row of the ranks tensor: 0 for targets it lacks, max_rank for one
+        it has without ranks (built by hand)."""
+        row = torch.zeros(self._ranks.shape[1], dtype=torch.int32)
+        at = 0
+        for name, view in self.ranks.items():
+            n = view[0].numel()
+            if name in adapter.a:
+                ranks = adapter.ranks.get(name)
+                row[at : at + n] = ranks.flatten() if ranks is not None else self.spec.max_rank
+            at += n
+        return row
 
     def _hold_until_copied(self, adapter: LoadedAdapter | None) -> None:
         """Keep an adapter whose copies are still in flight referenced until they land: the host tier
@@ -125,7 +154,12 @@ class LoraDevicePool:
         for name, a in adapter.a.items():
             if name not in self.a:
                 raise ValueError(f"adapter {adapter.name!r}: target {name} is not one of this pool's")
-            b = adapter.b[name]
+            b, ranks = adapter.b[name], adapter.ranks.get(name)
+            if ranks is not None and (ranks.shape != self.ranks[name].shape[1:] or ranks.min() < 0
+                                      or ranks.max() > self.spec.max_rank):
+                raise ValueError(f"adapter {adapter.name!r}: target {name}'s ranks are {list(ranks.shape)} from "
+                                 f"{ranks.min()} to {ranks.max()}, this pool's are {list(self.ranks[name].shape[1:])}"
+                                 f" from 0 to max_rank {self.spec.max_rank}")
             if a.shape != self.a[name].shape[1:] or b.shape != self.b[name].shape[1:] or a.dtype != self.dtype:
                 raise ValueError(
                     f"adapter {adapter.name!r}: target {name} is {a.dtype} {list(a.shape)} / {list(b.shape)}, this "

@@ -34,6 +34,7 @@ from .layout import SlotLayout
 from .memory import tensor_checkpoint
 from .plan import host_bytes
 from .reader import read_layout, snapshot
+from .slot_ranks import slot_ranks
 from .spec import LoraSpec
 
 _HASHER = ThreadPoolExecutor(1, thread_name_prefix="mstar-lora-digest")
@@ -64,6 +65,8 @@ class LoadedAdapter:
 
     blocks[target] is the flat block a[target] and b[target] are views of, as a device slot lays it
     out, where the store read it so (one copy per target); an adapter built by hand may have none.
+    ranks[target] is [target layers, slices] int32, each module's real rank (0 where there is none),
+    which the kernels compute instead of max_rank; an adapter without it is taken at max_rank.
     """
 
     name: str
@@ -73,6 +76,7 @@ class LoadedAdapter:
     a: dict[str, torch.Tensor]
     b: dict[str, torch.Tensor]
     blocks: Mapping[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    ranks: Mapping[str, torch.Tensor] = field(default_factory=dict, repr=False)
     serial: int = field(default_factory=itertools.count().__next__, init=False, repr=False)
 
     @property
@@ -241,7 +245,7 @@ class LoraAdapterStore:
         views = {t: self.layout.targets[t].split(block) for t, block in blocks.items()}
         a = {t: ab[0] for t, ab in views.items()}
         b = {t: ab[1] for t, ab in views.items()}
-        return LoadedAdapter(ckpt.name, digest, top, scaling, a, b, blocks)
+        return LoadedAdapter(ckpt.name, digest, top, scaling, a, b, blocks, slot_ranks(ckpt, self.layout))
 
     def _read_verified(self, ckpt: Checkpoint, digest: bytes) -> tuple[int, float, dict[str, torch.Tensor]]:
         """Every byte read once into a snapshot (from the one open file, or the pushed tensors' values),

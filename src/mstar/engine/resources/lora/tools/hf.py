@@ -13,18 +13,46 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..apply import add_lora
+from ..apply import Backend, add_lora
+from ..batch import LoraBatch
 from ..pool import LoraDevicePool
 from ..spec import LoraTarget
 
 
 class TokenSlots:
     """Which slot each token of the next forward uses, per node: rows of the language model's batch,
-    and the vision tower's patches (in the order the tower sees them). -1 is no adapter."""
+    and the vision tower's patches (in the order the tower sees them). -1 is no adapter. Each node's
+    LoraBatch is built once per forward, at its first layer, and read by every other."""
 
     def __init__(self) -> None:
-        self.rows = torch.empty(0, dtype=torch.long)
-        self.patches = torch.empty(0, dtype=torch.long)
+        self._rows = torch.empty(0, dtype=torch.long)
+        self._patches = torch.empty(0, dtype=torch.long)
+        self._batches: dict[str, tuple[int, LoraBatch]] = {}  # per node, the last forward's
+        self.builds = 0  # LoraBatches built, so a test can tell they are shared
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self._rows
+
+    @rows.setter
+    def rows(self, slots: torch.Tensor) -> None:
+        self._rows, self._batches = slots, {}
+
+    @property
+    def patches(self) -> torch.Tensor:
+        return self._patches
+
+    @patches.setter
+    def patches(self, slots: torch.Tensor) -> None:
+        self._patches, self._batches = slots, {}
+
+    def batch(self, node: str, tokens: int, slot_count: int) -> LoraBatch:
+        """The node's tokens grouped by slot, built at the first call of a forward and shared after (a
+        forward of another token count, the next step's, builds its own)."""
+        if node not in self._batches or self._batches[node][0] != tokens:
+            self._batches[node] = (tokens, LoraBatch.build(self.for_tokens(node, tokens), slot_count))
+            self.builds += 1
+        return self._batches[node][1]
 
     def for_tokens(self, node: str, tokens: int) -> torch.Tensor:
         if node == "vision_tower":
@@ -40,10 +68,10 @@ class LoraLayer(nn.Module):
     """A base linear or conv, sharded for this rank, plus the pool's delta for each token's slot."""
 
     def __init__(self, base: nn.Module, pool: LoraDevicePool, node: str, target: str, layer: int,
-                 slice_: int | None, slots: TokenSlots) -> None:
+                 slice_: int | None, slots: TokenSlots, backend: Backend | None = None) -> None:
         super().__init__()
         self.base, self.pool, self.node, self.target, self.layer, self.slice_ = base, pool, node, target, layer, slice_
-        self.slots = slots
+        self.slots, self.backend = slots, backend
         t = pool.spec.targets[target]
         self.reduce = t.parallel == "row" and pool.world_size > 1
         if pool.world_size > 1:
@@ -58,8 +86,8 @@ class LoraLayer(nn.Module):
         tokens = x.shape[0] if isinstance(self.base, nn.Conv3d) else x[..., 0].numel()
         flat_x = x.reshape(tokens, -1)
         flat_y = y.view(tokens, -1)  # a conv whose kernel is its stride gives [patches, out, 1, 1, 1]
-        add_lora(flat_y, flat_x, self.pool, self.target, self.layer, self.slots.for_tokens(self.node, tokens),
-                 self.slice_)
+        batch = self.slots.batch(self.node, tokens, self.pool.slots)
+        add_lora(flat_y, flat_x, self.pool, self.target, self.layer, batch, self.slice_, backend=self.backend)
         if self.reduce:
             dist.all_reduce(y)
         return y
@@ -86,12 +114,14 @@ def shard_base(base: nn.Module, t: LoraTarget, slice_: int | None, rank: int, wo
             base.bias = nn.Parameter(torch.zeros_like(bias), requires_grad=False)
 
 
-def attach(model: nn.Module, pools: Mapping[str, LoraDevicePool], slots: TokenSlots) -> list[str]:
+def attach(model: nn.Module, pools: Mapping[str, LoraDevicePool], slots: TokenSlots,
+           backend: Backend | None = None) -> list[str]:
     """Replace every module of model that a pool's spec maps with a LoraLayer, and with an experts pool
-    every experts module with a LoraExperts; their names."""
+    every experts module with a LoraExperts, each running add_lora's backend (its default if None);
+    their names."""
     from .hf_experts import attach_experts
 
-    done = attach_experts(model, pools["experts"], slots) if "experts" in pools else []
+    done = attach_experts(model, pools["experts"], slots, backend) if "experts" in pools else []
     for name, module in list(model.named_modules()):
         if not isinstance(module, (nn.Linear, nn.Conv3d)):
             continue
@@ -99,7 +129,7 @@ def attach(model: nn.Module, pools: Mapping[str, LoraDevicePool], slots: TokenSl
             loc = pool.spec.locate(name)
             if loc is not None:
                 parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent), child, LoraLayer(module, pool, node, *loc, slots))
+                setattr(model.get_submodule(parent), child, LoraLayer(module, pool, node, *loc, slots, backend))
                 done.append(name)
                 break
     return done
