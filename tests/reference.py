@@ -41,3 +41,20 @@ def module_input(layer: torch.nn.Module, tokens: int, generator: torch.Generator
     if isinstance(base, torch.nn.Conv3d):
         return torch.randn(tokens, base.in_channels, *base.kernel_size, generator=generator)
     return torch.randn(tokens, base.in_features, generator=generator)
+
+
+def assert_serves_peft(pm: torch.nn.Module, adapter, spec: LoraSpec, tol: float = 1e-5, tokens: int = 4) -> set[str]:
+    """Every module of pm (a PEFT model holding float32 values) that spec maps gives PEFT's own delta from
+    adapter's layout, to tol; returns the modules checked."""
+    g = torch.Generator().manual_seed(0)
+    checked = set()
+    for module, layer in lora_modules(pm).items():
+        if spec.locate(module) is None:
+            continue
+        x = module_input(layer, tokens, g)
+        a = {t: v.float() for t, v in adapter.a.items()}
+        b = {t: v.float() for t, v in adapter.b.items()}
+        got = slot_delta(a, b, adapter.scaling, spec, module, x.flatten(1))
+        torch.testing.assert_close(got, peft_delta(layer, x), rtol=tol, atol=tol, msg=module)
+        checked.add(module)
+    return checked

@@ -54,7 +54,9 @@ def randomize_lora(model: torch.nn.Module, seed: int = 1) -> None:
 
 def make_adapter(tmp: Path, arch: str = "llama", name: str = "ad", seed: int = 1, config: dict | None = None,
                  dtype: torch.dtype = torch.float32, **lora) -> tuple[torch.nn.Module, Path]:
-    """A PEFT adapter saved by PEFT itself for a tiny model of arch; (the peft model, its dir)."""
+    """A PEFT adapter saved by PEFT itself for a tiny model of arch, its factors in dtype (PEFT would cast them to
+    float32, autocast_adapter_dtype, and a "bf16" adapter would be an fp32 file); (the peft model, its dir). The
+    model holds the very values the file does, so deltas computed from it are the file's."""
     import peft
 
     config = config or model_config(arch)
@@ -63,11 +65,23 @@ def make_adapter(tmp: Path, arch: str = "llama", name: str = "ad", seed: int = 1
                                                                          "down_proj"])
     lora.setdefault("r", 4)
     lora.setdefault("lora_alpha", 8)
-    pm = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    pm = peft.get_peft_model(model, peft.LoraConfig(**lora), autocast_adapter_dtype=False)
     randomize_lora(pm, seed)
     path = tmp / name
     pm.save_pretrained(path)
+    saved = saved_dtypes(path)
+    assert saved == {SAFETENSORS_DTYPES[dtype]}, f"PEFT saved {saved}, not {dtype}"
     return pm.eval(), path
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def saved_dtypes(path: Path) -> set[str]:
+    """The dtypes (as safetensors spells them) of the tensors in an adapter dir's safetensors file, from its header."""
+    with open(path / "adapter_model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return {e["dtype"] for k, e in header.items() if k != "__metadata__"}
 
 
 def write_config(tmp: Path, config: dict, name: str = "config.json") -> Path:
