@@ -1,0 +1,89 @@
+"""What the digest covers: each tensor's dtype beside its bytes, and the bytes in module-name order whatever
+order the file lays them out in (safetensors sorts by dtype, then name; other writers keep their own order)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
+import torch
+from peft.utils import get_peft_model_state_dict
+from tiny import SAFETENSORS_DTYPES, make_adapter, model_config
+
+from mstar.engine.resources.lora.check import check_adapter_tensors
+from mstar.engine.resources.lora.models import specs_from_config
+from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_file
+
+SPEC = specs_from_config(model_config("llama"), max_rank=8)["language_model"]
+WEIGHTS = "adapter_model.safetensors"
+
+
+def write_by_hand(file: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
+    """A safetensors file with its tensors laid out in the order given, as a writer other than safetensors'
+    own may lay them out."""
+    header, at = {"__metadata__": metadata}, 0
+    for key, t in tensors:
+        n = t.numel() * t.element_size()
+        header[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
+        at += n
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for _, t in tensors:
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def file_order(file: Path) -> list[str]:
+    with open(file, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    header.pop("__metadata__", None)
+    return sorted(header, key=lambda k: header[k]["data_offsets"][0])
+
+
+def load(file: Path) -> dict[str, torch.Tensor]:
+    """The file's tensors, copied out of its mapping: the file is rewritten next."""
+    return {k: v.clone() for k, v in safetensors.torch.load_file(file).items()}
+
+
+def metadata(file: Path) -> dict[str, str]:
+    with safetensors.safe_open(file, "pt") as f:
+        return f.metadata()
+
+
+def test_the_same_bytes_as_bf16_and_as_f16_digest_apart(tmp_path):
+    _, path = make_adapter(tmp_path, dtype=torch.bfloat16)
+    as_bf16 = check_adapter_file(SPEC, "ad", path)
+    tensors = load(path / WEIGHTS)
+    safetensors.torch.save_file({k: v.view(torch.float16) for k, v in tensors.items()}, path / WEIGHTS,
+                                metadata(path / WEIGHTS))
+    assert check_adapter_file(SPEC, "ad", path) != as_bf16, "other values, the same bytes"
+
+
+def test_tensors_laid_out_in_any_order_digest_and_read_alike(tmp_path):
+    _, path = make_adapter(tmp_path)
+    digest = check_adapter_file(SPEC, "ad", path)
+    tensors = load(path / WEIGHTS)
+    meta = metadata(path / WEIGHTS)
+    want = LoraAdapterStore(SPEC, pin=False).read("ad", path, digest)
+    for order in (sorted(tensors, reverse=True), random.Random(0).sample(sorted(tensors), len(tensors))):
+        write_by_hand(path / WEIGHTS, [(k, tensors[k]) for k in order], meta)
+        assert file_order(path / WEIGHTS) == order
+        assert check_adapter_file(SPEC, "ad", path) == digest
+        got = LoraAdapterStore(SPEC, pin=False).read("ad", path, digest)
+        assert all(torch.equal(got.a[t], want.a[t]) and torch.equal(got.b[t], want.b[t]) for t in want.a)
+
+
+def test_a_file_of_float32_and_bf16_modules_digests_as_its_tensors_pushed_and_laid_out_by_name(tmp_path):
+    pm, path = make_adapter(tmp_path)
+    pushed = {k: v.bfloat16() if ".layers.1." in k else v for k, v in get_peft_model_state_dict(pm).items()}
+    on_file = {f"base_model.model.{k.removeprefix('base_model.model.')}": v for k, v in pushed.items()}
+    safetensors.torch.save_file(on_file, path / WEIGHTS, metadata(path / WEIGHTS))
+    assert file_order(path / WEIGHTS) != sorted(on_file), "the premise: safetensors puts the float32 ones first"
+    digest = check_adapter_file(SPEC, "ad", path)
+    assert check_adapter_tensors(SPEC, "ad", pushed, pm.peft_config["default"]) == digest
+    write_by_hand(path / WEIGHTS, sorted(on_file.items()), metadata(path / WEIGHTS))
+    assert check_adapter_file(SPEC, "ad", path) == digest

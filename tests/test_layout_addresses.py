@@ -1,0 +1,100 @@
+"""Where a read's bytes lie: every block and every b at a multiple of layout.ALIGN from the first block (in the
+host buffer and in a device slot alike), and the bytes read straight from the file at the address the file has
+them at modulo plan.SKEW, where the kernel copies at memory speed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors.torch
+import torch
+from reference import assert_serves_peft
+from tiny import make_adapter, model_config
+
+from mstar.engine.resources.lora.layout import ALIGN
+from mstar.engine.resources.lora.models import specs_from_config
+from mstar.engine.resources.lora.plan import SKEW
+from mstar.engine.resources.lora.pool import LoraDevicePool
+from mstar.engine.resources.lora.store import LoraAdapterStore
+
+WEIGHTS = "adapter_model.safetensors"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def spec(max_rank: int):
+    return specs_from_config(model_config("llama"), max_rank=max_rank)["language_model"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("rank", "world_size"), [(0, 1), (1, 2)], ids=["whole", "rank-1-of-2"])
+def test_at_a_max_rank_of_5_every_block_and_b_starts_at_the_alignment(tmp_path, dtype, rank, world_size):
+    """At max_rank 8 every a of the tiny model is a multiple of ALIGN long already; at 5 none is."""
+    s = spec(5)
+    pm, path = make_adapter(tmp_path, r=4, dtype=dtype)
+    adapter = LoraAdapterStore(s, rank, world_size, pin=False, dtype=dtype).read("ad", path)
+    assert any(a.nbytes % ALIGN for a in adapter.a.values()), "the premise: some a ends off the alignment"
+    first = min(block.data_ptr() for block in adapter.blocks.values())
+    for t in s.targets:
+        assert (adapter.blocks[t].data_ptr() - first) % ALIGN == 0, f"{t}'s block"
+        assert adapter.a[t].data_ptr() == adapter.blocks[t].data_ptr(), f"{t}'s a starts its block"
+        assert (adapter.b[t].data_ptr() - first) % ALIGN == 0, f"{t}'s b"
+    pool = LoraDevicePool(s, slots=3, rank=rank, world_size=world_size, dtype=dtype)
+    assert pool.activate(adapter) == 0
+    slot = pool.activate(LoraAdapterStore(s, rank, world_size, pin=False, dtype=dtype).read("ad2", path))
+    for t, slab in pool.slabs.items():
+        for k in (0, slot):
+            assert (pool.a[t][k].data_ptr() - slab.data_ptr()) % ALIGN == 0, f"{t}, slot {k}'s a"
+            assert (pool.b[t][k].data_ptr() - slab.data_ptr()) % ALIGN == 0, f"{t}, slot {k}'s b"
+        assert torch.equal(pool.b[t][0], adapter.b[t])
+    if world_size == 1:
+        assert_serves_peft(pm.float(), adapter, s, tol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def data_start(blob: bytes) -> int:
+    return 8 + int.from_bytes(blob[:8], "little")
+
+
+def resave_starting_at(path, residue: int) -> int:
+    """The adapter's file saved again, its tensors' bytes starting at residue modulo SKEW (a longer metadata
+    entry moves them); the file offset of its first tensor byte."""
+    file = path / WEIGHTS
+    tensors = {k: v.clone() for k, v in safetensors.torch.load_file(file).items()}
+    with safetensors.safe_open(file, "pt") as f:
+        metadata = f.metadata()
+    for n in range(2 * SKEW):
+        blob = safetensors.torch.save(tensors, {**metadata, "padding": "x" * n})
+        if data_start(blob) % SKEW == residue:
+            file.write_bytes(blob)
+            return data_start(blob)
+    raise AssertionError(f"no metadata length puts the tensors at {residue} modulo {SKEW}")
+
+
+def file_offsets(path) -> dict[str, int]:
+    blob = (path / WEIGHTS).read_bytes()
+    header = json.loads(blob[8 : data_start(blob)])
+    header.pop("__metadata__")
+    return {k.removeprefix("base_model.model."): data_start(blob) + e["data_offsets"][0] for k, e in header.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_factors_read_straight_from_the_file_land_at_its_address_modulo_skew(tmp_path, dtype):
+    """Rank 8 at max_rank 8 in the store's own dtype: every factor is read straight into its place. Its tensors'
+    sizes are multiples of SKEW, so one offset of the blocks puts all of them at the file's alignment."""
+    s = spec(8)
+    _, path = make_adapter(tmp_path, r=8, dtype=dtype)
+    store = LoraAdapterStore(s, pin=False, dtype=dtype)
+    for residue in range(0, SKEW, 8):  # safetensors pads its header to 8 bytes
+        start = resave_starting_at(path, residue)
+        offsets = file_offsets(path)
+        assert all((at - start) % SKEW == 0 for at in offsets.values()), "the premise: one alignment for all"
+        adapter = store.read("ad", path)
+        for key, at in offsets.items():
+            module, role = key.removesuffix(".weight").rsplit(".", 1)
+            target, layer, sl = s.locate(module)
+            sl = 0 if sl is None else sl  # a target of one slice
+            tl = store.layout.targets[target]
+            view = adapter.a[target][layer, tl.a_rows(sl)] if role == "lora_A" else \
+                adapter.b[target][layer, tl.b_rows(sl)]
+            assert view.data_ptr() % SKEW == at % SKEW, f"{key} at {at} of the file, residue {residue}"
+        del adapter
