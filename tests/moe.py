@@ -127,7 +127,8 @@ def read(family, path, rank=0, world_size=1, store=None, **over):
 
     s = specs(family, **over)
     digest = check_adapter_file(s["language_model"], "ad", path, [s["experts"]])
-    store = store or LoraAdapterStore(s["experts"], rank, world_size, pin=False, dtype=torch.float32)
+    if store is None:  # an empty store is falsy: it has no adapters yet
+        store = LoraAdapterStore(s["experts"], rank, world_size, pin=False, dtype=torch.float32)
     return s["experts"], store.read("ad", path, digest)
 
 

@@ -87,3 +87,31 @@ def test_a_file_of_float32_and_bf16_modules_digests_as_its_tensors_pushed_and_la
     assert check_adapter_tensors(SPEC, "ad", pushed, pm.peft_config["default"]) == digest
     write_by_hand(path / WEIGHTS, sorted(on_file.items()), metadata(path / WEIGHTS))
     assert check_adapter_file(SPEC, "ad", path) == digest
+
+
+def test_the_same_bytes_split_at_other_ranks_between_modules_digest_apart(tmp_path):
+    """Layer 0's q_proj at rank 4 and layer 1's at rank 2, or the other way round, every scaling 2: the same
+    names, dtypes, scalings and stream of bytes in name order, and two adapters serving different deltas."""
+    q = [f"layers.{i}.self_attn.q_proj" for i in (0, 1)]
+    lora = {"target_modules": ["q_proj"], "layers_to_transform": [0, 1], "lora_alpha": 8}
+    _, x = make_adapter(tmp_path, name="x", rank_pattern={q[0]: 4, q[1]: 2}, alpha_pattern={q[0]: 8, q[1]: 4}, **lora)
+    _, y = make_adapter(tmp_path, name="y", rank_pattern={q[0]: 2, q[1]: 4}, alpha_pattern={q[0]: 4, q[1]: 8}, **lora)
+    xs, ys = load(x / WEIGHTS), load(y / WEIGHTS)
+    stream = torch.cat([xs[k].reshape(-1) for k in sorted(xs)])
+    at = 0
+    for k in sorted(ys):
+        ys[k] = stream[at : at + ys[k].numel()].reshape(ys[k].shape).clone()
+        at += ys[k].numel()
+    assert at == stream.numel() and {k: v.shape for k, v in xs.items()} != {k: v.shape for k, v in ys.items()}
+    safetensors.torch.save_file(ys, y / WEIGHTS, metadata(y / WEIGHTS))
+    assert check_adapter_file(SPEC, "x", x) != check_adapter_file(SPEC, "y", y)
+
+
+def test_pushed_tensors_that_are_strided_views_digest_as_their_values(tmp_path):
+    """A trainer's state dict may hold transposed views: their values are hashed, as a file holds them."""
+    pm, path = make_adapter(tmp_path)
+    tensors = get_peft_model_state_dict(pm)
+    strided = {k: v.t().contiguous().t() for k, v in tensors.items()}  # the same values, column-major
+    assert not any(v.is_contiguous() for v in strided.values())
+    config = pm.peft_config["default"]
+    assert check_adapter_tensors(SPEC, "ad", strided, config) == check_adapter_file(SPEC, "ad", path)

@@ -49,3 +49,14 @@ def test_overlapping_patterns_serve_peft_delta(overlapping, dtype):
             LoraAdapterStore(spec, pin=False, dtype=dtype).read("ad", path):
         checked = assert_serves_peft(pm, adapter, spec, tol=1e-5 if dtype == torch.float32 else 2e-2)
         assert checked == set(lora_modules(pm))
+
+
+def test_a_regex_key_matches_a_whole_dotted_part_of_the_name(tmp_path):
+    """(up|down)_proj is phi3's down_proj, never its gate_up_proj: PEFT's rule wants a dot (or the start)
+    before the key."""
+    pm, path = make_adapter(tmp_path, "phi3", alpha_pattern={"(up|down)_proj": 3})
+    scalings = {m: layer.scaling["default"] for m, layer in lora_modules(pm).items()}
+    assert scalings["model.layers.0.mlp.down_proj"] == 3 / 4 and scalings["model.layers.0.mlp.gate_up_proj"] == 2
+    spec = specs_from_config(model_config("phi3"), max_rank=8)["language_model"]
+    adapter = LoraAdapterStore(spec, pin=False, dtype=torch.float32).read("ad", path)
+    assert assert_serves_peft(pm, adapter, spec) == set(lora_modules(pm))

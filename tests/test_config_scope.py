@@ -1,5 +1,6 @@
-"""A file holding weights for layers its config's layers_to_transform leaves out: PEFT, loading it, puts LoRA
-on those layers only and drops the rest without a word, so the check refuses it, naming each such module."""
+"""A file holding weights its config leaves out (layers outside layers_to_transform, modules target_modules does
+not name): PEFT, loading it, puts no LoRA there and drops those weights without a word, so the check refuses
+them, naming each such module."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import re
 
 import pytest
+from peft import LoraConfig
+from peft.tuners.tuners_utils import check_target_module_exists
 from tiny import LM_TARGETS, make_adapter, model_config
 
 from mstar.engine.resources.lora.models import specs_from_config
@@ -41,3 +44,16 @@ def test_the_check_and_a_read_refuse_it_naming_adapter_file_and_layers(every_lay
         check_adapter_file(SPEC, "ad", path)
     with pytest.raises(ValueError, match=f"^{where}{lines}$"):
         LoraAdapterStore(SPEC, pin=False).read("ad", path)
+
+
+def test_a_target_module_name_takes_modules_of_that_name_not_names_ending_in_it(tmp_path):
+    """phi3's fused gate_up_proj ends in up_proj, but target_modules ["up_proj"] is not it, in PEFT's rule."""
+    _, path = make_adapter(tmp_path, "phi3", target_modules=["qkv_proj", "gate_up_proj"])
+    config = path / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "target_modules": ["qkv_proj", "up_proj"]}))
+    module = "model.layers.0.mlp.gate_up_proj"
+    assert not check_target_module_exists(LoraConfig(target_modules=["qkv_proj", "up_proj"]), module)
+    spec = specs_from_config(model_config("phi3"), max_rank=8)["language_model"]
+    with pytest.raises(ValueError, match=rf"module {re.escape(module)}: adapter_config\.json's target_modules / "
+                                         r"exclude_modules leave it out.* \(and 2 more modules alike\)$"):
+        check_adapter_file(spec, "ad", path)
