@@ -27,23 +27,24 @@ class Mutant(NamedTuple):
 T = "tests/test_"
 READS = (f"{T}numerics.py", f"{T}buffer_reuse.py", f"{T}bf16_files.py", f"{T}layout_addresses.py", f"{T}store.py",
          f"{T}pattern_order.py", f"{T}sharding.py", f"{T}sources.py", f"{T}slot_ranks.py", f"{T}experts.py",
-         f"{T}digest_covers.py")
+         f"{T}digest_covers.py", f"{T}expert_folds.py")
 TESTS: dict[str, tuple[str, ...]] = {
     "spec.py": (f"{T}sharding.py", f"{T}numerics.py", f"{T}model_configs.py", f"{T}integrity.py", f"{T}check.py"),
     "layout.py": (f"{T}layout_addresses.py", f"{T}store.py", f"{T}numerics.py", f"{T}pool.py", f"{T}sharding.py"),
     "plan.py": READS,
-    "reader.py": (*READS, f"{T}integrity.py", f"{T}races.py"),
+    "reader.py": (*READS, f"{T}rewritten_in_place.py", f"{T}integrity.py", f"{T}races.py"),
     "digest.py": (f"{T}digest.py", f"{T}digest_covers.py", f"{T}sources.py", f"{T}integrity.py", f"{T}races.py"),
     "store.py": (f"{T}store.py", f"{T}sources.py", f"{T}buffer_reuse.py", f"{T}races.py", f"{T}pool.py"),
     "pool.py": (f"{T}pool.py", f"{T}pool_slots.py", f"{T}slot_ranks.py", f"{T}layout_addresses.py"),
-    "manager.py": (f"{T}manager.py", f"{T}manager_properties.py", f"{T}metrics.py", f"{T}manager_ranks.py"),
+    "manager.py": (f"{T}manager.py", f"{T}manager_admission.py", f"{T}manager_properties.py", f"{T}metrics.py",
+                   f"{T}manager_ranks.py"),
     "ranks.py": (f"{T}ranks_agree.py", f"{T}manager_ranks.py"),
-    "adapter_config.py": (f"{T}pattern_order.py", f"{T}numerics.py", f"{T}check.py", f"{T}hostile_configs.py",
-                          f"{T}integrity.py", f"{T}sources.py"),
+    "adapter_config.py": (f"{T}pattern_order.py", f"{T}config_scope.py", f"{T}config_values.py", f"{T}numerics.py",
+                          f"{T}check.py", f"{T}hostile_configs.py", f"{T}integrity.py", f"{T}sources.py"),
     "patterns.py": (f"{T}pattern_order.py", f"{T}hostile_configs.py", f"{T}numerics.py"),
     "check.py": (f"{T}check.py", f"{T}layers_to_transform.py", f"{T}refusal_messages.py", f"{T}hostile_adapters.py",
                  f"{T}integrity.py", f"{T}numerics.py"),
-    "experts.py": (f"{T}experts.py", f"{T}expert_configs.py", f"{T}experts_transformers4.py"),
+    "experts.py": (f"{T}experts.py", f"{T}expert_folds.py", f"{T}expert_configs.py", f"{T}experts_transformers4.py"),
 }
 
 M = Mutant
@@ -107,11 +108,14 @@ MUTANTS: list[Mutant] = [
       "the slots take the least common scaling: most modules fold, rounding in a bf16 store"),
     M("reader.node-scaling-tie-larger", "reader.py", "key=lambda s: (nonzero[s], -s)", "key=lambda s: (nonzero[s], s)",
       "on a tie the larger scaling is the slots'",
-      equivalent="which of two equally common scalings the slots take changes only which modules fold; each "
-                 "served delta is the same (folds are in float32), and the digest covers module scalings"),
+      equivalent="either rule is a function of the digested module scalings (one digest, one layout) and serves "
+                 "each module's delta, folded in float32; which of two equally common scalings wins is a choice"),
     M("reader.snapshot-header-unchecked", "reader.py",
       "if bytes(buf[: len(ckpt.header.prefix)].numpy()) != ckpt.header.prefix:", "if False:",
-      "a file rewritten in place between its header's parse and the snapshot is served"),
+      "a file rewritten in place between its header's parse and the snapshot is served",
+      equivalent="the hash over the snapshot, with the manifest of the header parsed, refuses every rewrite that "
+                 "changes a served byte; what it lets through is exactly what was checked, and the check only names "
+                 "the cause sooner"),
     M("reader.size-change-unchecked", "reader.py", "if not source.unchanged():", "if False:",
       "a file that changed size since its header was read is read anyway"),
     M("reader.dense-b-rank-columns", "reader.py", "_copy_rows(b[..., : d.rank]", "_copy_rows(b[..., -d.rank :]",
@@ -229,7 +233,9 @@ MUTANTS: list[Mutant] = [
     M("manager.failure-unrecorded", "manager.py", "entry.error = error\n", "pass\n",
       "a failed read leaves its requests waiting forever"),
     M("manager.failure-not-cleared", "manager.py", "entry.error = None  # told", "pass  # told",
-      "a failed adapter registered again is never read again"),
+      "a failed adapter registered again is never read again",
+      equivalent="a failed version is refused until registered again, and registering clears its entry's error "
+                 "(_register), so no step reads it while the stale error stands"),
     M("manager.hits-misses-swapped", "manager.py", "self._counters.host_hits += 1", "self._counters.host_misses += 1",
       "a host hit is counted as a miss"),
     M("manager.every-wait-counted", "manager.py", "fresh = [v for rid, v in wanted.items() if rid not in self._seen]",
