@@ -3,15 +3,13 @@ order the file lays them out in (safetensors sorts by dtype, then name; other wr
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
-import safetensors
 import safetensors.torch
 import torch
 from peft.utils import get_peft_model_state_dict
-from tiny import SAFETENSORS_DTYPES, make_adapter, model_config
+from safetensors_files import file_order, load, metadata, write_by_hand
+from tiny import make_adapter, model_config
 
 from mstar.engine.resources.lora.check import check_adapter_tensors
 from mstar.engine.resources.lora.models import specs_from_config
@@ -19,39 +17,6 @@ from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_fi
 
 SPEC = specs_from_config(model_config("llama"), max_rank=8)["language_model"]
 WEIGHTS = "adapter_model.safetensors"
-
-
-def write_by_hand(file: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
-    """A safetensors file with its tensors laid out in the order given, as a writer other than safetensors'
-    own may lay them out."""
-    header, at = {"__metadata__": metadata}, 0
-    for key, t in tensors:
-        n = t.numel() * t.element_size()
-        header[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
-        at += n
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(file, "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        for _, t in tensors:
-            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
-
-
-def file_order(file: Path) -> list[str]:
-    with open(file, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    header.pop("__metadata__", None)
-    return sorted(header, key=lambda k: header[k]["data_offsets"][0])
-
-
-def load(file: Path) -> dict[str, torch.Tensor]:
-    """The file's tensors, copied out of its mapping: the file is rewritten next."""
-    return {k: v.clone() for k, v in safetensors.torch.load_file(file).items()}
-
-
-def metadata(file: Path) -> dict[str, str]:
-    with safetensors.safe_open(file, "pt") as f:
-        return f.metadata()
 
 
 def test_the_same_bytes_as_bf16_and_as_f16_digest_apart(tmp_path):

@@ -4,19 +4,18 @@ them at modulo plan.SKEW, where the kernel copies at memory speed."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import safetensors.torch
 import torch
 from reference import assert_serves_peft
+from safetensors_files import data_start, header, load, metadata, write_by_hand
 from tiny import make_adapter, model_config
 
 from mstar.engine.resources.lora.layout import ALIGN
 from mstar.engine.resources.lora.models import specs_from_config
 from mstar.engine.resources.lora.plan import SKEW
 from mstar.engine.resources.lora.pool import LoraDevicePool
-from mstar.engine.resources.lora.store import LoraAdapterStore
+from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_file
 
 WEIGHTS = "adapter_model.safetensors"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -51,19 +50,13 @@ def test_at_a_max_rank_of_5_every_block_and_b_starts_at_the_alignment(tmp_path, 
         assert_serves_peft(pm.float(), adapter, s, tol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def data_start(blob: bytes) -> int:
-    return 8 + int.from_bytes(blob[:8], "little")
-
-
 def resave_starting_at(path, residue: int) -> int:
     """The adapter's file saved again, its tensors' bytes starting at residue modulo SKEW (a longer metadata
     entry moves them); the file offset of its first tensor byte."""
     file = path / WEIGHTS
-    tensors = {k: v.clone() for k, v in safetensors.torch.load_file(file).items()}
-    with safetensors.safe_open(file, "pt") as f:
-        metadata = f.metadata()
+    tensors, meta = load(file), metadata(file)
     for n in range(2 * SKEW):
-        blob = safetensors.torch.save(tensors, {**metadata, "padding": "x" * n})
+        blob = safetensors.torch.save(tensors, {**meta, "padding": "x" * n})
         if data_start(blob) % SKEW == residue:
             file.write_bytes(blob)
             return data_start(blob)
@@ -71,10 +64,10 @@ def resave_starting_at(path, residue: int) -> int:
 
 
 def file_offsets(path) -> dict[str, int]:
-    blob = (path / WEIGHTS).read_bytes()
-    header = json.loads(blob[8 : data_start(blob)])
-    header.pop("__metadata__")
-    return {k.removeprefix("base_model.model."): data_start(blob) + e["data_offsets"][0] for k, e in header.items()}
+    entries = header(path / WEIGHTS)
+    entries.pop("__metadata__")
+    start = data_start((path / WEIGHTS).read_bytes()[:8])
+    return {k.removeprefix("base_model.model."): start + e["data_offsets"][0] for k, e in entries.items()}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -98,3 +91,21 @@ def test_factors_read_straight_from_the_file_land_at_its_address_modulo_skew(tmp
                 adapter.b[target][layer, tl.b_rows(sl)]
             assert view.data_ptr() % SKEW == at % SKEW, f"{key} at {at} of the file, residue {residue}"
         del adapter
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_tensors_lying_off_their_dtypes_alignment_in_the_file_serve_what_aligned_ones_do(tmp_path, dtype):
+    """A header of any length is valid safetensors; one of odd length puts every tensor at an odd offset."""
+    s = spec(8)
+    _, path = make_adapter(tmp_path, r=4, dtype=dtype, rank_pattern={"down_proj": 8})  # staged and direct reads
+    want = {d: LoraAdapterStore(s, pin=False, dtype=d).read("ad", path) for d in DTYPES}
+    file = path / WEIGHTS
+    tensors, meta = load(file), metadata(file)
+    for mod_8 in (1, 2, 6):
+        write_by_hand(file, sorted(tensors.items()), meta, header_length_mod_8=mod_8)
+        assert data_start(file.read_bytes()[:8]) % 8 == (8 + mod_8) % 8
+        digest = check_adapter_file(s, "ad", path)
+        for store_dtype, expected in want.items():
+            for got in (LoraAdapterStore(s, pin=False, dtype=store_dtype).read("ad", path, d) for d in (None, digest)):
+                for t in expected.a:
+                    assert torch.equal(got.a[t], expected.a[t]) and torch.equal(got.b[t], expected.b[t]), t

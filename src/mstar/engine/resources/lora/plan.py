@@ -242,7 +242,7 @@ def _stage(staged: list[Piece], dense: list[Dense], layout: SlotLayout, whole: l
         tl = layout.targets[d.target]
         first = min((p for p in staged if p.target == d.target and p.role == "B"), key=lambda p: (p.layer, p.to_rows))
         size = d.dtype.itemsize * d.rank
-        at += (first.entry.start + first.rows[0] * size - at) % SKEW
+        at = _place(at, first.entry.start + first.rows[0] * size, d.dtype)
         placed_dense.append(d._replace(at=at))
         for p in staged:
             if p.target == d.target and p.role == "B":
@@ -254,15 +254,24 @@ def _stage(staged: list[Piece], dense: list[Dense], layout: SlotLayout, whole: l
             continue
         size = p.entry.torch_dtype.itemsize * as_linear(p.entry.shape)[1]
         start = p.entry.start + p.rows[0] * size
-        at += (start - at) % SKEW
+        at = _place(at, start, p.entry.torch_dtype)
         reads.append(Read(start, (p.rows[1] - p.rows[0]) * size, at, p))
         at += (p.rows[1] - p.rows[0]) * size
     whole_at = []
     for e in whole:
-        at += (e.start - at) % SKEW
+        at = _place(at, e.start, e.torch_dtype)
         whole_at.append((e, at))
         at += e.nbytes
     return reads, placed_dense, at, whole_at
+
+
+def _place(at: int, start: int, dtype: torch.dtype) -> int:
+    """The first offset from at whose address agrees with the file offset start modulo SKEW, where start is
+    aligned for dtype; else the first aligned for dtype (a header of any length is valid, so a file's tensors
+    may lie off their alignment, and staged bytes are viewed as their dtype)."""
+    if start % dtype.itemsize == 0:
+        return at + (start - at) % SKEW
+    return at + (-at) % dtype.itemsize
 
 
 def _skew(direct: list[Read], itemsize: int) -> int:
