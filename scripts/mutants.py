@@ -118,12 +118,22 @@ MUTANTS: list[Mutant] = [
                  "the cause sooner"),
     M("reader.size-change-unchecked", "reader.py", "if not source.unchanged():", "if False:",
       "a file that changed size since its header was read is read anyway"),
+    M("reader.misaligned-viewed", "reader.py", "raw = raw.clone()", "pass",
+      "a tensor at an offset its dtype cannot be viewed at (a file may place it so) is viewed in place"),
+    M("reader.all-zero-scaling-is-one", "reader.py", "return 0.0 if counts else 1.0", "return 1.0",
+      "an adapter whose every module has scaling 0 (lora_alpha 0) serves its weights at scaling 1"),
     M("reader.dense-b-rank-columns", "reader.py", "_copy_rows(b[..., : d.rank]", "_copy_rows(b[..., -d.rank :]",
       "a dense target's B lands in the last columns, not the first"),
 
     # --- plan.py ---
     M("plan.skew-zero", "plan.py", r"return -max\(fits\)\[1\] if fits else 0", "return 0",
       "the blocks start at their buffer's start whatever the file's alignment (slow copies)", regex=True),
+    M("plan.staging-unskewed", "plan.py", "return at + (start - at) % SKEW", "return at + (-at) % dtype.itemsize",
+      "staged reads land off the file's alignment (slow copies)",
+      equivalent="speed only: where staged bytes lie in the staging buffer is invisible to what is served (typed() "
+                 "copies a misaligned tensor); the skew of the reads into place is tested, this one is benchmarked"),
+    M("plan.staging-misaligned", "plan.py", "return at + (-at) % dtype.itemsize", "return at + (start - at) % SKEW",
+      "a file's tensors off their dtype's alignment (a header of odd length) are staged there and cannot be viewed"),
     M("plan.direct-b-below-max-rank", "plan.py", "if same and r == R:", "if same:",
       "a B of rank below max_rank is read straight into R-wide rows"),
     M("plan.a-shard-read-whole", "plan.py", "if a.columns != (0, cols):", "if False:",
@@ -282,6 +292,8 @@ MUTANTS: list[Mutant] = [
     # --- check.py ---
     M("check.rank-vs-config-unchecked", "check.py", "if config is not None and r != config.rank_of(module):",
       "if False:", "a module whose rank the config does not give is served at a guessed scaling"),
+    M("check.layer-past-end", "check.py", "if layer >= t.layers:", "if layer > t.layers:",
+      "a module one layer past the model's last is accepted"),
     M("check.max-rank-boundary", "check.py", "if r > spec.max_rank:", "if r >= spec.max_rank:",
       "an adapter of rank max_rank is refused"),
     M("check.in-width-unchecked", "check.py", "if a[1] != t.in_features:", "if False:",
