@@ -121,7 +121,9 @@ MUTANTS: list[Mutant] = [
     M("reader.misaligned-viewed", "reader.py", "raw = raw.clone()", "pass",
       "a tensor at an offset its dtype cannot be viewed at (a file may place it so) is viewed in place"),
     M("reader.all-zero-scaling-is-one", "reader.py", "return 0.0 if counts else 1.0", "return 1.0",
-      "an adapter whose every module has scaling 0 (lora_alpha 0) serves its weights at scaling 1"),
+      "an adapter whose every module has scaling 0 (lora_alpha 0) serves its weights at scaling 1",
+      equivalent="every module's ratio to the slots' scaling is then 0, folded into its B: the slot serves 0 as "
+                 "with a scaling of 0"),
     M("reader.dense-b-rank-columns", "reader.py", "_copy_rows(b[..., : d.rank]", "_copy_rows(b[..., -d.rank :]",
       "a dense target's B lands in the last columns, not the first"),
 
@@ -130,8 +132,8 @@ MUTANTS: list[Mutant] = [
       "the blocks start at their buffer's start whatever the file's alignment (slow copies)", regex=True),
     M("plan.staging-unskewed", "plan.py", "return at + (start - at) % SKEW", "return at + (-at) % dtype.itemsize",
       "staged reads land off the file's alignment (slow copies)",
-      equivalent="speed only: where staged bytes lie in the staging buffer is invisible to what is served (typed() "
-                 "copies a misaligned tensor); the skew of the reads into place is tested, this one is benchmarked"),
+      equivalent="speed only: where staged bytes lie in the read's own staging buffer (always aligned for their "
+                 "dtype) is invisible to what is served; the skew of reads into place is tested, this one benchmarked"),
     M("plan.staging-misaligned", "plan.py", "return at + (-at) % dtype.itemsize", "return at + (start - at) % SKEW",
       "a file's tensors off their dtype's alignment (a header of odd length) are staged there and cannot be viewed"),
     M("plan.direct-b-below-max-rank", "plan.py", "if same and r == R:", "if same:",

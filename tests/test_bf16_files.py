@@ -1,12 +1,13 @@
-"""Adapters saved in bfloat16, as trainers in bf16 save them: read into a float32 store they serve PEFT's delta
-exactly, and into a bfloat16 store each module's own scaling is folded in float32 and cast once."""
+"""Adapters saved in bfloat16 (and float16), as trainers in half precision save them: read into a float32 store
+they serve PEFT's delta exactly, and into a bfloat16 store each module's own scaling is folded in float32 and
+cast once."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from reference import assert_serves_peft, lora_modules
-from tiny import make_adapter, model_config, saved_dtypes
+from tiny import SAFETENSORS_DTYPES, make_adapter, model_config, saved_dtypes
 
 from mstar.engine.resources.lora.models import specs_from_config
 from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_file
@@ -19,33 +20,42 @@ PATTERNS = {"rank_pattern": {"down_proj": 8, "k_proj": 2},
 SHARDS = [(0, 1), (1, 2)]
 
 
+def half_adapter(root, dtype):
+    pm, path = make_adapter(root, dtype=dtype, **PATTERNS)
+    assert saved_dtypes(path) == {SAFETENSORS_DTYPES[dtype]}
+    spec = specs_from_config(model_config("llama"), max_rank=8)["language_model"]
+    return pm.float(), path, spec, check_adapter_file(spec, "ad", path)  # half values are exact in float32
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16-file", "f16-file"])
+def half_file(request, tmp_path_factory):
+    return half_adapter(tmp_path_factory.mktemp("half"), request.param)
+
+
 @pytest.fixture(scope="module")
 def bf16_adapter(tmp_path_factory):
-    pm, path = make_adapter(tmp_path_factory.mktemp("bf16"), dtype=torch.bfloat16, **PATTERNS)
-    assert saved_dtypes(path) == {"BF16"}
-    spec = specs_from_config(model_config("llama"), max_rank=8)["language_model"]
-    return pm.float(), path, spec, check_adapter_file(spec, "ad", path)  # bf16 values are exact in float32
+    return half_adapter(tmp_path_factory.mktemp("bf16"), torch.bfloat16)
 
 
 @pytest.mark.parametrize("verified", [False, True], ids=["shard-only", "with-digest"])
-def test_a_bf16_file_read_into_a_float32_store_serves_peft_delta(bf16_adapter, verified):
-    pm, path, spec, digest = bf16_adapter
+def test_a_half_precision_file_read_into_a_float32_store_serves_peft_delta(half_file, verified):
+    pm, path, spec, digest = half_file
     adapter = LoraAdapterStore(spec, pin=False, dtype=torch.float32).read("ad", path, digest if verified else None)
     assert assert_serves_peft(pm, adapter, spec) == set(lora_modules(pm))
 
 
 @pytest.mark.parametrize("verified", [False, True], ids=["shard-only", "with-digest"])
 @pytest.mark.parametrize(("rank", "world_size"), SHARDS, ids=["whole", "rank-1-of-2"])
-def test_a_bf16_file_read_into_a_bf16_store_folds_in_float32_and_casts_once(bf16_adapter, verified, rank,
-                                                                            world_size):
-    pm, path, spec, digest = bf16_adapter
+def test_a_half_precision_file_read_into_a_bf16_store_folds_in_float32_and_casts_once(half_file, verified, rank,
+                                                                                      world_size):
+    pm, path, spec, digest = half_file
     digest = digest if verified else None
     exact = LoraAdapterStore(spec, rank, world_size, pin=False, dtype=torch.float32).read("ad", path, digest)
     cast = LoraAdapterStore(spec, rank, world_size, pin=False, dtype=torch.bfloat16).read("ad", path, digest)
     assert cast.scaling == exact.scaling and set(cast.a) == set(exact.a) == set(spec.targets)
     for t in exact.a:
         assert cast.a[t].dtype == cast.b[t].dtype == torch.bfloat16
-        assert torch.equal(cast.a[t], exact.a[t].to(torch.bfloat16)), f"{t}: A is the file's bf16, unchanged"
+        assert torch.equal(cast.a[t], exact.a[t].to(torch.bfloat16)), f"{t}: A is the file's, cast once"
         assert torch.equal(cast.b[t], exact.b[t].to(torch.bfloat16)), f"{t}: B folded in float32, then cast"
     if world_size == 1:  # the folded B rounded once to bf16: within bf16's precision of PEFT's delta
         assert_serves_peft(pm, cast, spec, tol=2e-2)
