@@ -42,7 +42,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     "adapter_config.py": (f"{T}pattern_order.py", f"{T}config_scope.py", f"{T}config_values.py", f"{T}numerics.py",
                           f"{T}check.py", f"{T}hostile_configs.py", f"{T}integrity.py", f"{T}sources.py"),
     "patterns.py": (f"{T}pattern_order.py", f"{T}hostile_configs.py", f"{T}numerics.py"),
-    "check.py": (f"{T}check.py", f"{T}layers_to_transform.py", f"{T}refusal_messages.py", f"{T}hostile_adapters.py",
+    "check.py": (f"{T}check.py", f"{T}config_scope.py", f"{T}refusal_messages.py", f"{T}hostile_adapters.py",
                  f"{T}integrity.py", f"{T}numerics.py"),
     "experts.py": (f"{T}experts.py", f"{T}expert_folds.py", f"{T}expert_configs.py", f"{T}experts_transformers4.py"),
 }

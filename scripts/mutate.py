@@ -18,6 +18,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,11 @@ def mutated(m: Mutant, source: str) -> str | None:
 def tests_of(m: Mutant, tree: Path) -> list[str]:
     """m's test files that tree has (an older revision's tests/ may lack some)."""
     return [t for t in dict.fromkeys((*TESTS[m.module], *m.tests)) if (tree / t).is_file()]
+
+
+def missing_tests(chosen: list[Mutant]) -> list[str]:
+    """Test files the mutants name that this tree lacks: a renamed file would silently test nothing."""
+    return sorted({t for m in chosen for t in (*TESTS[m.module], *m.tests) if not (ROOT / t).is_file()})
 
 
 def copy_tree(dest: Path, tests_from: str | None) -> None:
@@ -114,9 +120,13 @@ def list_mutants(chosen: list[Mutant]) -> None:
         note = f"  [equivalent: {m.equivalent}]" if m.equivalent else ""
         print(f"{state:5} {m.id:42} {m.bug}{note}")
     print(f"{len(chosen)} mutants")
+    for t in missing_tests(chosen):
+        print(f"MISSING test file {t}")
 
 
 def run(chosen: list[Mutant], tests_from: str | None, timeout: float | None) -> int:
+    if not tests_from and missing_tests(chosen):
+        raise SystemExit(f"the mutants name test files this tree lacks: {', '.join(missing_tests(chosen))}")
     with tempfile.TemporaryDirectory(prefix="mstar-mutate-") as tmp:
         tree = Path(tmp)
         copy_tree(tree, tests_from)
@@ -173,6 +183,8 @@ def main() -> int:
     parser.add_argument("--tests-from", metavar="REV", help="take tests/ from this git revision")
     parser.add_argument("--timeout", type=float, help="seconds per mutant (default 3x the baseline, at least 120)")
     args = parser.parse_args()
+    # Stopped, it still restores the mutated file, ends the test run under way and removes its copy.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     chosen = select(args.names)
     if args.list:
         list_mutants(chosen)
