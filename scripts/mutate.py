@@ -4,7 +4,7 @@ should notice it run against that copy. A mutant the tests pass is a survivor: i
 in mutants.py saying why it serves what the original does.
 
     .venv/bin/python scripts/mutate.py --list              # every mutant, and whether its anchor still matches
-    .venv/bin/python scripts/mutate.py --run               # all of them (about half an hour on two cores)
+    .venv/bin/python scripts/mutate.py --run               # all of them (about twenty minutes on two cores)
     .venv/bin/python scripts/mutate.py --run pool digest   # those of some modules, or by id
     .venv/bin/python scripts/mutate.py --run --tests-from main   # against another revision's tests/
 
