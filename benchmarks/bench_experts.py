@@ -66,10 +66,14 @@ def write(root: Path, stacked: bool) -> Path:
     path = root / ("stacked" if stacked else "per-expert")
     path.mkdir()
     save_file(tensors, path / "adapter_model.safetensors")
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
     config = {"peft_type": "LORA", "r": R, "lora_alpha": 2 * R, "peft_version": "0.21.2",
               "rank_pattern": {"gate_up_proj": R_EXPERT, "down_proj": R_EXPERT, "gate_proj": R_EXPERT,
-                               "up_proj": R_EXPERT},
-              "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+                               "up_proj": R_EXPERT}}
+    if stacked:  # as PEFT saves target_parameters beside target_modules
+        config.update(target_modules=attention, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    else:
+        config.update(target_modules=[*attention, "gate_proj", "up_proj", "down_proj"])
     (path / "adapter_config.json").write_text(json.dumps(config))
     return path
 

@@ -1,16 +1,24 @@
-"""An adapter's weights file, opened once per read: its header, its hash and its copy see one inode.
+"""Where a read's bytes come from: a file opened once, pushed tensors, or a snapshot in memory.
 
-A new version renamed over the path while a read is under way is not this read's business: the
-descriptor keeps the old file. Nothing is mapped, so a file truncated under a read ends it with a
-short read, which is refused, never with a SIGBUS.
+Each is read the same way, read_into(views, at) filling memory from a byte offset, so the reader
+follows one plan over any of them. A file is opened once per read: its header, its hash and its copy
+see one inode, and a new version renamed over the path meanwhile is not this read's business. Nothing
+is mapped, so a file truncated under a read ends it with a short read, which is refused, never with a
+SIGBUS. Pushed tensors are read at the offsets their header gives them, a copy of their memory as it
+is when each piece is read.
 """
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import os
 import stat
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 
 class FileSource:
@@ -61,3 +69,69 @@ class FileSource:
     def unchanged(self) -> bool:
         """Whether the file still has the size it was opened with (a rewrite in place may keep it)."""
         return os.fstat(self.fd).st_size == self.size
+
+
+class MemorySource:
+    """Bytes already in memory (a snapshot of a file, whose offsets are the file's), read by copying."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data, self.size = data, data.numel()
+
+    def read_into(self, views: list[memoryview], at: int) -> None:
+        base = self.data.data_ptr()
+        for v in views:
+            if at + len(v) > self.size:
+                raise ValueError("the snapshot ended early")
+            _copy(v, base + at)
+            at += len(v)
+
+    def unchanged(self) -> bool:
+        return True
+
+
+class TensorSource:
+    """Pushed tensors at the offsets their header lists them at (starts, in that order), read as a file
+    holding them would be. Gaps between them read as zeros. The tensors are read, never written; one
+    that is not a contiguous CPU tensor is copied into one first."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], starts: Sequence[int], size: int) -> None:
+        self._tensors = [t if t.device.type == "cpu" and t.is_contiguous() else t.contiguous().cpu() for t in tensors]
+        self._starts = list(starts)
+        self._spans = [(s, s + t.numel() * t.element_size(), t.data_ptr()) for s, t in
+                       zip(self._starts, self._tensors, strict=True)]
+        self.size = size
+
+    def read_into(self, views: list[memoryview], at: int) -> None:
+        for v in views:
+            self._fill(v, at)
+            at += len(v)
+
+    def _fill(self, view: memoryview, at: int) -> None:
+        stop = at + len(view)
+        if stop > self.size:
+            raise ValueError("the tensors end before the bytes asked for")
+        i = max(bisect.bisect_right(self._starts, at) - 1, 0)
+        done = 0
+        while done < len(view):
+            pos = at + done
+            start, end, address = self._spans[i] if i < len(self._spans) else (self.size, self.size, 0)
+            if pos < start:  # a gap before the next tensor
+                n = min(start, stop) - pos
+                view[done : done + n] = bytes(n)
+            elif pos < end:
+                n = min(end, stop) - pos
+                _copy(view[done : done + n], address + pos - start)
+            else:
+                i += 1
+                continue
+            done += n
+
+    def unchanged(self) -> bool:
+        return True
+
+
+def _copy(view: memoryview, address: int) -> None:
+    """view filled with its length of bytes from address (memmove releases the GIL)."""
+    n = len(view)
+    if n:
+        ctypes.memmove((ctypes.c_char * n).from_buffer(view), address, n)

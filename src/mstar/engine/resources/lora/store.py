@@ -13,10 +13,11 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from . import fingerprint
 from .check import (
     adapter_targets,
     as_linear,
@@ -29,15 +30,17 @@ from .check import (
 )
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import adapter_digest
+from .digest import manifest as digest_manifest
 from .host_memory import HostBuffers
 from .layout import SlotLayout
 from .memory import tensor_checkpoint
-from .plan import host_bytes
+from .plan import Folds, Plan, host_bytes, plan
 from .reader import read_layout, snapshot
-from .slot_ranks import slot_ranks
+from .source import FileSource, MemorySource, TensorSource
 from .spec import LoraSpec
 
 _HASHER = ThreadPoolExecutor(1, thread_name_prefix="mstar-lora-digest")
+VERIFIED = 4096  # digests whose runs' fingerprints a store keeps (a few KB each for an 8B adapter)
 
 __all__ = [
     "LoadedAdapter",
@@ -108,7 +111,10 @@ class LoraAdapterStore:
         pin: bool | None = None,
         dtype: torch.dtype | None = None,
         max_bytes: int | None = None,
+        verify: Literal["fingerprint", "digest"] = "fingerprint",
     ) -> None:
+        if verify not in ("fingerprint", "digest"):
+            raise ValueError(f"verify is fingerprint or digest, not {verify!r}")
         if pin and not torch.cuda.is_available():
             raise ValueError("pin=True page-locks host memory for CUDA, and CUDA is not available")
         self.layout = SlotLayout(spec, rank, world_size, dtype or spec.dtype)
@@ -121,6 +127,9 @@ class LoraAdapterStore:
         self._buffers = HostBuffers(self.pin)
         self._staging = HostBuffers(pin=False, spare=1)  # what reads pass through, never pinned
         self._lock = threading.Lock()
+        self.verify = verify
+        # (digest, plan) -> (manifest, each run's fingerprint), from a read that hashed every byte
+        self._verified: OrderedDict[tuple[bytes, Plan], tuple[bytes, tuple[int, ...]]] = OrderedDict()
 
     # --- what is held: hold and drop alone decide it -------------------------------------
 
@@ -231,13 +240,15 @@ class LoraAdapterStore:
 
     def _read(self, ckpt: Checkpoint, digest: bytes | None) -> LoadedAdapter:
         refuse_misfits(self.spec, ckpt)
+        p = plan(ckpt, self.layout)
+        folds = p.folds(ckpt.scalings(self.spec.convert_keys))
         try:
             if digest is None:  # this rank's shard alone, unverified
-                top, scaling, blocks = read_layout(ckpt, self.layout, self._buffers, self._staging)
+                blocks = read_layout(p, folds, source_of(ckpt), self._buffers, self._staging)
             else:
-                top, scaling, blocks = self._read_verified(ckpt, digest)
+                blocks = self._read_verified(ckpt, p, folds, digest)
         except ValueError as e:
-            refused = ValueError(*e.args)
+            refused = ckpt.refusal([str(e)])
         else:
             refused = None
         if refused is not None:  # raised anew, out here: the failed read's frames, and the buffer they hold, go
@@ -245,24 +256,41 @@ class LoraAdapterStore:
         views = {t: self.layout.targets[t].split(block) for t, block in blocks.items()}
         a = {t: ab[0] for t, ab in views.items()}
         b = {t: ab[1] for t, ab in views.items()}
-        return LoadedAdapter(ckpt.name, digest, top, scaling, a, b, blocks, slot_ranks(ckpt, self.layout))
+        return LoadedAdapter(ckpt.name, digest, p.rank, folds.scaling, a, b, blocks, p.ranks)
 
-    def _read_verified(self, ckpt: Checkpoint, digest: bytes) -> tuple[int, float, dict[str, torch.Tensor]]:
-        """Every byte read once into a snapshot (from the one open file, or the pushed tensors' values),
-        hashed, and laid out from that very copy: the weights returned are exactly those that hashed to
-        the digest, whatever happens to the file or the tensors meanwhile, or the read is refused."""
-        snap = snapshot(ckpt, self._staging)
+    def _read_verified(self, ckpt: Checkpoint, p: Plan, folds: Folds, digest: bytes) -> dict[str, torch.Tensor]:
+        """The weights that hash to digest, or a ValueError. The first read under a digest takes a snapshot of
+        every byte (from the one open file, or the pushed tensors' values), hashes it, lays the adapter out
+        from that very copy and keeps each run's fingerprint, taken from it too; later reads under the digest
+        read only this rank's runs and check their fingerprints where they landed (fingerprint.py)."""
+        manifest = digest_manifest(ckpt, self.spec.convert_keys)
+        with self._lock:
+            known = self._verified.get((digest, p))
+        if known is not None and self.verify == "fingerprint":
+            if known[0] != manifest:
+                raise ValueError(_changed(ckpt, "its names, shapes or scalings differ from those that hashed to "
+                                                "its digest"))
+            try:
+                return read_layout(p, folds, source_of(ckpt), self._buffers, self._staging, known[1])
+            except ValueError as e:
+                raise ValueError(_changed(ckpt, str(e))) from None
+        snap = snapshot(source_of(ckpt), self._staging)
+        if ckpt.tensors is None and bytes(snap[: len(ckpt.header.prefix)].numpy()) != ckpt.header.prefix:
+            raise ValueError("its header changed since it was read: the file was rewritten in place")
         # The hash (which releases the GIL) runs beside the copy out of the same snapshot.
         hashing = _HASHER.submit(adapter_digest, ckpt, self.spec.convert_keys, snapshot=snap)
         try:
-            top, scaling, blocks = read_layout(ckpt, self.layout, self._buffers, self._staging, snapshot=snap)
+            blocks = read_layout(p, folds, MemorySource(snap), self._buffers, self._staging)
         finally:
             found = hashing.result()
         if found != digest:
-            what = "the file changed since" if ckpt.tensors is None else "the tensors changed since they were pushed"
-            raise ckpt.refusal([f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was "
-                                f"checked with: {what}"])
-        return top, scaling, blocks
+            raise ValueError(f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was "
+                             f"checked with: {_changed(ckpt)}")
+        with self._lock:
+            self._verified[digest, p] = (manifest, fingerprint.of_runs(snap, p.runs()))
+            while len(self._verified) > VERIFIED:
+                self._verified.popitem(last=False)
+        return blocks
 
     def load(self, name: str, path: str | os.PathLike[str], digest: bytes | None = None) -> LoadedAdapter:
         """Hold name and read it from path unless its copy is in.
@@ -310,3 +338,16 @@ class LoraAdapterStore:
             del self._reading[name]
         future.set_result(adapter)
         return adapter
+
+
+def source_of(ckpt: Checkpoint) -> FileSource | TensorSource:
+    """What a read of ckpt reads from: its one open file, or its pushed tensors at their header's offsets."""
+    if ckpt.tensors is None:
+        return ckpt.source
+    entries = list(ckpt.header.tensors.values())
+    return TensorSource([ckpt.tensor(e).reshape(-1) for e in entries], [e.start for e in entries], ckpt.size)
+
+
+def _changed(ckpt: Checkpoint, why: str | None = None) -> str:
+    what = "the file changed since" if ckpt.tensors is None else "the tensors changed since they were pushed"
+    return what if why is None else f"{why}: {what}"
