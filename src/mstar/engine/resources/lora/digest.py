@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -76,14 +77,20 @@ def data_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, threads: int 
     return h.digest()
 
 
-CHUNK = 8 << 20  # a file is hashed through two buffers of this, one filling while the other is hashed
+# A file is hashed through two buffers of this, one filling while the other is hashed: small enough to
+# stay in cache between the copy and the hash (measured here: 2 MB hashes 2.3x faster than through a
+# mapping of the file, 8 MB 1.9x).
+CHUNK = 2 << 20
 _PREFETCH = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="mstar-lora-hash-read")
+_BUFFERS = threading.local()
 
 
 def _stream(source: FileSource, runs: list[tuple[int, int]], h: blake3.blake3) -> None:
     """h fed the runs' bytes read from source, the next chunk read while this one is hashed."""
     chunks = [(at, min(CHUNK, stop - at)) for start, stop in runs for at in range(start, stop, CHUNK)]
-    buffers = [bytearray(min(CHUNK, max((n for _, n in chunks), default=0))) for _ in range(2)]
+    if not hasattr(_BUFFERS, "pair"):  # each hashing thread's own, kept: a fresh one faults on every page
+        _BUFFERS.pair = (bytearray(CHUNK), bytearray(CHUNK))
+    buffers = _BUFFERS.pair
 
     def fill(i: int) -> memoryview:
         at, n = chunks[i]

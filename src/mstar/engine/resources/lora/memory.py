@@ -83,7 +83,7 @@ def _header(listing: tuple[tuple[str, str, tuple[int, ...]], ...]) -> Header:
         n = DTYPES[dtype].itemsize * math.prod(shape)
         entries[key] = TensorEntry(dtype, shape, at, at + n)
         at += -(-n // 16) * 16
-    return Header(entries, {}, 0, at)
+    return Header(entries, {}, 0, at, identity=listing)
 
 
 def _config(config: Any) -> AdapterConfig | None:

@@ -76,13 +76,13 @@ class MemorySource:
 
     def __init__(self, data: torch.Tensor) -> None:
         self.data, self.size = data, data.numel()
+        self._bytes = _bytes_of(data.data_ptr(), self.size)
 
     def read_into(self, views: list[memoryview], at: int) -> None:
-        base = self.data.data_ptr()
         for v in views:
             if at + len(v) > self.size:
                 raise ValueError("the snapshot ended early")
-            _copy(v, base + at)
+            v[:] = self._bytes[at : at + len(v)]
             at += len(v)
 
     def unchanged(self) -> bool:
@@ -92,19 +92,26 @@ class MemorySource:
 class TensorSource:
     """Pushed tensors at the offsets their header lists them at (starts, in that order), read as a file
     holding them would be. Gaps between them read as zeros. The tensors are read, never written; one
-    that is not a contiguous CPU tensor is copied into one first."""
+    that is not a contiguous CPU tensor is copied into one when first read."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], starts: Sequence[int], size: int) -> None:
-        self._tensors = [t if t.device.type == "cpu" and t.is_contiguous() else t.contiguous().cpu() for t in tensors]
-        self._starts = list(starts)
-        self._spans = [(s, s + t.numel() * t.element_size(), t.data_ptr()) for s, t in
-                       zip(self._starts, self._tensors, strict=True)]
-        self.size = size
+        self._tensors, self._starts, self.size = list(tensors), list(starts), size
+        self._bytes: dict[int, memoryview] = {}  # each tensor's memory as bytes, for those read so far
+        self._kept: list[torch.Tensor] = []  # copies made of tensors that were not contiguous CPU ones
 
     def read_into(self, views: list[memoryview], at: int) -> None:
         for v in views:
             self._fill(v, at)
             at += len(v)
+
+    def _memory(self, i: int) -> memoryview:
+        if i not in self._bytes:
+            t = self._tensors[i]
+            if t.device.type != "cpu" or not t.is_contiguous():
+                t = t.contiguous().cpu()
+                self._kept.append(t)
+            self._bytes[i] = _bytes_of(t.data_ptr(), t.numel() * t.element_size())
+        return self._bytes[i]
 
     def _fill(self, view: memoryview, at: int) -> None:
         stop = at + len(view)
@@ -114,24 +121,24 @@ class TensorSource:
         done = 0
         while done < len(view):
             pos = at + done
-            start, end, address = self._spans[i] if i < len(self._spans) else (self.size, self.size, 0)
-            if pos < start:  # a gap before the next tensor
-                n = min(start, stop) - pos
+            if i >= len(self._starts) or pos < self._starts[i]:  # a gap before the next tensor
+                n = min(self._starts[i] if i < len(self._starts) else stop, stop) - pos
                 view[done : done + n] = bytes(n)
-            elif pos < end:
-                n = min(end, stop) - pos
-                _copy(view[done : done + n], address + pos - start)
-            else:
+                done += n
+                continue
+            memory = self._memory(i)
+            start = self._starts[i]
+            if pos >= start + len(memory):
                 i += 1
                 continue
+            n = min(start + len(memory), stop) - pos
+            view[done : done + n] = memory[pos - start : pos - start + n]
             done += n
 
     def unchanged(self) -> bool:
         return True
 
 
-def _copy(view: memoryview, address: int) -> None:
-    """view filled with its length of bytes from address (memmove releases the GIL)."""
-    n = len(view)
-    if n:
-        ctypes.memmove((ctypes.c_char * n).from_buffer(view), address, n)
+def _bytes_of(address: int, n: int) -> memoryview:
+    """n bytes of memory at address, as a writable-by-nobody view (the memory's owner keeps it alive)."""
+    return memoryview((ctypes.c_char * n).from_address(address)).cast("B") if n else memoryview(b"")

@@ -126,10 +126,11 @@ class LoraAdapterStore:
         self._reading: dict[str, tuple[bytes | None, Future[LoadedAdapter]]] = {}  # name -> (digest, read)
         self._buffers = HostBuffers(self.pin)
         self._staging = HostBuffers(pin=False, spare=1)  # what reads pass through, never pinned
+        self._snapshots = HostBuffers(pin=False, spare=0)  # whole files, for first reads under a digest: let go
         self._lock = threading.Lock()
         self.verify = verify
-        # (digest, plan) -> (manifest, each run's fingerprint), from a read that hashed every byte
-        self._verified: OrderedDict[tuple[bytes, Plan], tuple[bytes, tuple[int, ...]]] = OrderedDict()
+        # (digest, header identity) -> (manifest, each run's fingerprint), from a read that hashed every byte
+        self._verified: OrderedDict[tuple[bytes, object], tuple[bytes, tuple[int, ...]]] = OrderedDict()
 
     # --- what is held: hold and drop alone decide it -------------------------------------
 
@@ -174,6 +175,7 @@ class LoraAdapterStore:
         spare = 2 if len(self) else 0
         self._buffers.trim(spare)
         self._staging.trim(min(spare, 1))
+        self._snapshots.trim(0)
 
     @property
     def held_bytes(self) -> int:
@@ -247,6 +249,7 @@ class LoraAdapterStore:
                 blocks = read_layout(p, folds, source_of(ckpt), self._buffers, self._staging)
             else:
                 blocks = self._read_verified(ckpt, p, folds, digest)
+                self._snapshots.trim(0)  # a whole file's copy: not kept past the read that needed it
         except ValueError as e:
             refused = ckpt.refusal([str(e)])
         else:
@@ -264,8 +267,9 @@ class LoraAdapterStore:
         from that very copy and keeps each run's fingerprint, taken from it too; later reads under the digest
         read only this rank's runs and check their fingerprints where they landed (fingerprint.py)."""
         manifest = digest_manifest(ckpt, self.spec.convert_keys)
+        key = (digest, ckpt.header.identity)  # the plan follows from the header and this store's layout
         with self._lock:
-            known = self._verified.get((digest, p))
+            known = self._verified.get(key)
         if known is not None and self.verify == "fingerprint":
             if known[0] != manifest:
                 raise ValueError(_changed(ckpt, "its names, shapes or scalings differ from those that hashed to "
@@ -274,7 +278,7 @@ class LoraAdapterStore:
                 return read_layout(p, folds, source_of(ckpt), self._buffers, self._staging, known[1])
             except ValueError as e:
                 raise ValueError(_changed(ckpt, str(e))) from None
-        snap = snapshot(source_of(ckpt), self._staging)
+        snap = snapshot(source_of(ckpt), self._snapshots)
         if ckpt.tensors is None and bytes(snap[: len(ckpt.header.prefix)].numpy()) != ckpt.header.prefix:
             raise ValueError("its header changed since it was read: the file was rewritten in place")
         # The hash (which releases the GIL) runs beside the copy out of the same snapshot.
@@ -287,7 +291,7 @@ class LoraAdapterStore:
             raise ValueError(f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was "
                              f"checked with: {_changed(ckpt)}")
         with self._lock:
-            self._verified[digest, p] = (manifest, fingerprint.of_runs(snap, p.runs()))
+            self._verified[key] = (manifest, fingerprint.of_runs(snap, p.runs()))
             while len(self._verified) > VERIFIED:
                 self._verified.popitem(last=False)
         return blocks
@@ -344,8 +348,7 @@ def source_of(ckpt: Checkpoint) -> FileSource | TensorSource:
     """What a read of ckpt reads from: its one open file, or its pushed tensors at their header's offsets."""
     if ckpt.tensors is None:
         return ckpt.source
-    entries = list(ckpt.header.tensors.values())
-    return TensorSource([ckpt.tensor(e).reshape(-1) for e in entries], [e.start for e in entries], ckpt.size)
+    return TensorSource(list(ckpt.tensors.values()), [e.start for e in ckpt.header.tensors.values()], ckpt.size)
 
 
 def _changed(ckpt: Checkpoint, why: str | None = None) -> str:
