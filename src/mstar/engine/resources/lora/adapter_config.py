@@ -180,12 +180,15 @@ def _patterns(v: object, what: str, kind: type) -> dict:
         raise ValueError(f"{what} is not a map of module patterns")
     if len(v) > MAX_KEYS:
         raise ValueError(f"{what} has {len(v)} keys, over {MAX_KEYS}")
-    out = {}
+    out, states = {}, 0
     for key, value in v.items():
         try:
-            patterns.check_key(key)
+            states += patterns.check_key(key)
         except ValueError as e:
             raise ValueError(f"{what} key {_short(key)} cannot be matched: {e}") from None
+        if states > patterns.MAX_CONFIG_STATES:
+            raise ValueError(f"{what}'s keys that repeat or alternate unfold to more than {patterns.MAX_CONFIG_STATES} "
+                             "states together, past what the check matches")
         out[key] = _positive(value, f"{what}[{key!r}]", int) if kind is int else _number(value, f"{what}[{key!r}]")
     return out
 

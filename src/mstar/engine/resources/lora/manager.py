@@ -85,6 +85,7 @@ class Entry:
     version: Version
     reading: Future[None] | None = None
     error: ValueError | None = None
+    registered: int = 0  # how many times it was registered: a read started before the last tells nothing
 
 
 class LoraManager:
@@ -218,6 +219,7 @@ class LoraManager:
                 self._entries[version.key] = Entry(version)
             else:  # the same weights again: a failed read is tried anew, with the version as given now
                 entry.version, entry.error = version, None
+                entry.registered += 1
         self.registry.register(version)
 
     def unregister(self, name: str) -> None:
@@ -330,11 +332,12 @@ class LoraManager:
             self._counters.evictions += before + new[0] - len(store)
             entry = self._entries.get(v.key)
             if entry is not None and entry.reading is None and entry.error is None and not self._in(v):
-                entry.reading = self._workers.submit(self._read, entry)
+                entry.reading = self._workers.submit(self._read, entry, entry.registered)
 
-    def _read(self, entry: Entry) -> None:
+    def _read(self, entry: Entry, registered: int) -> None:
         """entry's version read for every node and put, or its failure recorded: on a worker, outside every
-        lock but for the put."""
+        lock but for the put. A failure is not recorded if the version was registered again meanwhile (the
+        file fixed, say): the next hold reads it anew."""
         v, start = entry.version, time.perf_counter()
         copies: dict[str, Any] | None = {}
         try:
@@ -350,8 +353,9 @@ class LoraManager:
         with self._lock:
             entry.reading = None
             if error is not None:
-                entry.error = error
                 self._counters.read_failures += 1
+                if entry.registered == registered:
+                    entry.error = error
                 return
             for n, s in self.stores.items():
                 s.put(dataclasses.replace(copies[n], name=v.key))

@@ -9,13 +9,14 @@ padded, cut to a shard, cast, and scaled where a module's own scaling folds into
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import math
 import os
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import NamedTuple
 
 import torch
 
@@ -23,8 +24,9 @@ from . import fingerprint
 from .experts import stacked_widths
 from .host_memory import HostBuffers
 from .layout import SlotLayout
-from .plan import BATCH_BYTES, Batch, Folds, Piece, Plan, Read, Stacked
+from .plan import Batch, Folds, Piece, Plan, Read, Stacked
 from .safetensors_header import TensorEntry
+from .source import Source
 from .spec import as_linear
 
 READ_THREADS = min(4, os.cpu_count() or 1)
@@ -33,25 +35,29 @@ _READERS = ThreadPoolExecutor(max(READ_THREADS - 1, 1), thread_name_prefix="msta
 Views = dict[str, tuple[torch.Tensor, torch.Tensor]]  # target -> (a, b)
 
 
-class Source(Protocol):
-    """What a read reads from (source.py): a file open once, pushed tensors, a snapshot."""
+class Landing(NamedTuple):
+    """Where a read's bytes land: the buffer's blocks (and their a / b views) and the staging buffer."""
 
-    size: int
-
-    def read_into(self, views: list[memoryview], at: int) -> None: ...
-
-    def unchanged(self) -> bool: ...
+    blocks: dict[str, torch.Tensor]
+    views: Views
+    memory: tuple[torch.Tensor, torch.Tensor]  # the blocks' bytes (from the skew on), the staging buffer
 
 
 def read_layout(p: Plan, folds: Folds, source: Source, buffers: HostBuffers, staging: HostBuffers,
                 expected: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """Each target's block for this rank, in one host buffer of the layout's size, read from source. With
-    expected (the fingerprints of p.runs()), a run that lands other than it was is a ValueError.
+    expected (the fingerprints of p.runs()), a run that lands other than it was is a ValueError."""
+    landing = land(p, buffers, staging)
+    if not source.unchanged():
+        raise ValueError("the file changed size since its header was read")
+    read(source, [(landing.memory[0], p.batches), (landing.memory[1], p.staged_batches)], expected)
+    return lay_out(p, landing, folds)
 
-    A fresh buffer comes zeroed from the kernel, so padding and untouched layers cost nothing; a
-    reused one is zeroed only where the pieces leave it. staging lends the buffer staged bytes pass
-    through, which is unviewed again once this returns.
-    """
+
+def land(p: Plan, buffers: HostBuffers, staging: HostBuffers) -> Landing:
+    """The buffers a read of p fills: a fresh one comes zeroed from the kernel, so padding and untouched
+    layers cost nothing; a reused one is zeroed only where the pieces leave it. staging lends the buffer
+    staged bytes pass through, which is unviewed again once the read is done."""
     layout = p.layout
     buf, fresh = buffers.take(p.nbytes)
     blocks = layout.carve(buf[p.skew :], p.targets)
@@ -59,10 +65,55 @@ def read_layout(p: Plan, folds: Folds, source: Source, buffers: HostBuffers, sta
     if not fresh:
         _zero_padding(p, blocks, views, layout.spec.max_rank)
     stage = staging.take(p.staging, exact=False)[0] if p.staging else torch.empty(0, dtype=torch.uint8)
-    if not source.unchanged():
-        raise ValueError("the file changed size since its header was read")
-    read(source, [(buf[p.skew :], p.batches), (stage, p.staged_batches)], expected)
-    ratios = folds.ratios
+    return Landing(blocks, views, (buf[p.skew :], stage))
+
+
+class Scatter:
+    """Byte ranges of a source (start, length) and the memory each goes to: visit(offset, chunk) copies what
+    of them a chunk of the source holds, so that a read can lay out the very bytes it hashes as they pass."""
+
+    def __init__(self, ranges: Sequence[tuple[int, int, memoryview]]) -> None:
+        self.ranges = sorted(ranges, key=lambda r: r[0])
+        self.starts = [r[0] for r in self.ranges]
+        self.longest = max((r[1] for r in self.ranges), default=0)
+
+    def __call__(self, at: int, chunk: memoryview) -> None:
+        end = at + len(chunk)
+        i = bisect.bisect_left(self.starts, at - self.longest)
+        while i < len(self.ranges) and self.starts[i] < end:
+            start, n, dst = self.ranges[i]
+            lo, hi = max(start, at), min(start + n, end)
+            if lo < hi:
+                dst[lo - start : hi - start] = chunk[lo - at : hi - at]
+            i += 1
+
+
+def landing_ranges(p: Plan, landing: Landing) -> list[tuple[int, int, memoryview]]:
+    """Every piece p reads, as (its offset in the source, its length, where it lands)."""
+    out = []
+    for memory, batches in zip(landing.memory, (p.batches, p.staged_batches), strict=True):
+        view = _bytes(memory)
+        for b in batches:
+            for at, parts in b:
+                for to, n in parts:
+                    out.append((at, n, view[to : to + n]))
+                    at += n
+    return out
+
+
+def fingerprints(p: Plan, landing: Landing) -> tuple[int, ...]:
+    """Each run of p's fingerprint, from where it landed (before anything is laid out from it)."""
+    out = []
+    for memory, batches in zip(landing.memory, (p.batches, p.staged_batches), strict=True):
+        view = _bytes(memory)
+        out += [fingerprint.of_parts([view[to : to + n] for to, n in parts]) for b in batches for _, parts in b]
+    return tuple(out)
+
+
+def lay_out(p: Plan, landing: Landing, folds: Folds) -> dict[str, torch.Tensor]:
+    """The staged bytes moved into their places (padded to max_rank, cut to a shard, cast, stacked experts
+    spread), and each module's own scaling folded into its B, in float32 before the cast."""
+    layout, views, stage, ratios = p.layout, landing.views, landing.memory[1], folds.ratios
     at = p.staged_at()
     for st in p.stacked:
         _copy_stacked(layout, views, st, typed(stage, at[st.A.start], st.A), typed(stage, at[st.B.start], st.B),
@@ -72,33 +123,34 @@ def read_layout(p: Plan, folds: Folds, source: Source, buffers: HostBuffers, sta
     for d in p.dense:
         b = views[d.target][1]
         shape = (*b.shape[:-1], d.rank)
-        _copy_rows(b[..., : d.rank], stage[d.at : d.at + math.prod(shape) * d.dtype.itemsize].view(d.dtype).view(shape))
+        _copy_rows(b[..., : d.rank], _typed_at(stage, d.at, math.prod(shape) * d.dtype.itemsize, d.dtype).view(shape))
     for r in p.spread():
         _copy_piece(views, r.piece, _rows(stage, r))
-    for r in p.staged:  # a module's own scaling is folded into its B, in float32 before the cast
+    for r in p.staged:
         if r.piece.role == "B" and r.piece.module in ratios:
             _fold(views, r.piece, _rows(stage, r), ratios[r.piece.module])
     _fold_direct(p, views, ratios)
     _fold_whole(views, folds.whole)
-    return blocks
-
-
-def snapshot(source: Source, staging: HostBuffers) -> torch.Tensor:
-    """Every byte of source, once, at its own offsets: what a read with a digest hashes and lays the
-    adapter out from, so that what it serves is what hashed."""
-    buf = staging.take(source.size, exact=False)[0][: source.size]
-    runs = [(at, ((at, min(BATCH_BYTES, source.size - at)),)) for at in range(0, source.size, BATCH_BYTES)]
-    read(source, [(buf, tuple((run,) for run in runs))])
-    return buf
+    return landing.blocks
 
 
 def typed(buf: torch.Tensor, at: int, e: TensorEntry) -> torch.Tensor:
-    """e's tensor as a linear's [rows, columns], from its bytes at offset at of the uint8 buf: a view, or a
-    copy where the bytes do not lie at an address of their dtype's alignment (a file may place them so)."""
-    raw = buf[at : at + e.nbytes]
-    if raw.data_ptr() % e.torch_dtype.itemsize:
+    """e's tensor as a linear's [rows, columns], from its bytes at offset at of the uint8 buf."""
+    return _typed_at(buf, at, e.nbytes, e.torch_dtype).view(as_linear(e.shape))
+
+
+def _typed_at(buf: torch.Tensor, at: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """nbytes of buf from at as dtype: a view, or a copy where they do not lie at an address of the dtype's
+    alignment (a file may place them so: a header whose length is no multiple of 4, say)."""
+    raw = buf[at : at + nbytes]
+    if raw.data_ptr() % dtype.itemsize:
         raw = raw.clone()
-    return raw.view(e.torch_dtype).view(as_linear(e.shape))
+    return raw.view(dtype)
+
+
+def _bytes(memory: torch.Tensor) -> memoryview:
+    """A plain view of a uint8 tensor's bytes; the tensor, which the caller holds, owns them."""
+    return memoryview((ctypes.c_char * memory.numel()).from_address(memory.data_ptr())).cast("B")
 
 
 def _fold_whole(views: Views, whole: dict[str, float]) -> None:
@@ -154,7 +206,7 @@ def _zero_padding(p: Plan, blocks: dict[str, torch.Tensor], views: Views, R: int
 def _rows(stage: torch.Tensor, r: Read) -> torch.Tensor:
     """A staged read's rows of its factor, as a linear's."""
     e = r.piece.entry
-    return stage[r.to : r.to + r.nbytes].view(e.torch_dtype).view(-1, as_linear(e.shape)[1])
+    return _typed_at(stage, r.to, r.nbytes, e.torch_dtype).view(-1, as_linear(e.shape)[1])
 
 
 def _destination(views: Views, q: Piece) -> torch.Tensor:
@@ -195,8 +247,7 @@ def read(source: Source, work: list[tuple[torch.Tensor, tuple[Batch, ...]]],
     queue: deque = deque()
     index = 0
     for memory, batches in work:
-        # A plain view of the memory's bytes to fill; the tensor, which the caller holds, owns them.
-        view = memoryview((ctypes.c_char * memory.numel()).from_address(memory.data_ptr())).cast("B")
+        view = _bytes(memory)
         for b in batches:
             queue.append([(index + i, at, [view[to : to + n] for to, n in parts]) for i, (at, parts) in enumerate(b)])
             index += len(b)

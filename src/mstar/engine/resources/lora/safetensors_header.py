@@ -61,6 +61,19 @@ class TensorEntry(NamedTuple):
         return self.stop - self.start
 
 
+class Memo(OrderedDict):
+    """What is derived from one header (its modules, inspections, plans, scalings per config), the least
+    recent let go past MEMO entries: a header seen with ever new configs must not grow without bound."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        super().__setitem__(key, value)
+        while len(self) > MEMO:
+            self.popitem(last=False)
+
+
+MEMO = 64
+
+
 @dataclass(frozen=True)
 class Header:
     """A checked header. Shared by every file whose first bytes are the same (read_header caches
@@ -70,7 +83,7 @@ class Header:
     metadata: dict[str, str]
     data_start: int
     file_size: int
-    memo: dict = field(default_factory=dict, compare=False, repr=False)
+    memo: Memo = field(default_factory=Memo, compare=False, repr=False)
     prefix: bytes = field(default=b"", compare=False, repr=False)  # the file's first data_start bytes
     # What makes two headers one, for caches that must outlive this object: a file's prefix, or the
     # listing a header of pushed tensors was made from.

@@ -17,8 +17,19 @@ import stat
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
+
+
+class Source(Protocol):
+    """What a read reads from: read_into fills views, one after another, from a byte offset."""
+
+    size: int
+
+    def read_into(self, views: list[memoryview], at: int) -> None: ...
+
+    def unchanged(self) -> bool: ...
 
 
 class FileSource:
@@ -69,24 +80,6 @@ class FileSource:
     def unchanged(self) -> bool:
         """Whether the file still has the size it was opened with (a rewrite in place may keep it)."""
         return os.fstat(self.fd).st_size == self.size
-
-
-class MemorySource:
-    """Bytes already in memory (a snapshot of a file, whose offsets are the file's), read by copying."""
-
-    def __init__(self, data: torch.Tensor) -> None:
-        self.data, self.size = data, data.numel()
-        self._bytes = _bytes_of(data.data_ptr(), self.size)
-
-    def read_into(self, views: list[memoryview], at: int) -> None:
-        for v in views:
-            if at + len(v) > self.size:
-                raise ValueError("the snapshot ended early")
-            v[:] = self._bytes[at : at + len(v)]
-            at += len(v)
-
-    def unchanged(self) -> bool:
-        return True
 
 
 class TensorSource:

@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 import torch
 
-from . import fingerprint
 from .check import (
     adapter_targets,
     as_linear,
@@ -29,14 +28,13 @@ from .check import (
     refuse_misfits,
 )
 from .checkpoint import Checkpoint, open_checkpoint
-from .digest import adapter_digest
+from .digest import adapter_digest, hash_runs, hash_stream
 from .digest import manifest as digest_manifest
 from .host_memory import HostBuffers
 from .layout import SlotLayout
 from .memory import tensor_checkpoint
 from .plan import Folds, Plan, host_bytes, plan
-from .reader import read_layout, snapshot
-from .source import FileSource, MemorySource, TensorSource
+from .reader import Scatter, fingerprints, land, landing_ranges, lay_out, read_layout
 from .spec import LoraSpec
 
 _HASHER = ThreadPoolExecutor(1, thread_name_prefix="mstar-lora-digest")
@@ -126,7 +124,6 @@ class LoraAdapterStore:
         self._reading: dict[str, tuple[bytes | None, Future[LoadedAdapter]]] = {}  # name -> (digest, read)
         self._buffers = HostBuffers(self.pin)
         self._staging = HostBuffers(pin=False, spare=1)  # what reads pass through, never pinned
-        self._snapshots = HostBuffers(pin=False, spare=0)  # whole files, for first reads under a digest: let go
         self._lock = threading.Lock()
         self.verify = verify
         # (digest, header identity) -> (manifest, each run's fingerprint), from a read that hashed every byte
@@ -175,7 +172,6 @@ class LoraAdapterStore:
         spare = 2 if len(self) else 0
         self._buffers.trim(spare)
         self._staging.trim(min(spare, 1))
-        self._snapshots.trim(0)
 
     @property
     def held_bytes(self) -> int:
@@ -243,13 +239,12 @@ class LoraAdapterStore:
     def _read(self, ckpt: Checkpoint, digest: bytes | None) -> LoadedAdapter:
         refuse_misfits(self.spec, ckpt)
         p = plan(ckpt, self.layout)
-        folds = p.folds(ckpt.scalings(self.spec.convert_keys))
         try:
             if digest is None:  # this rank's shard alone, unverified
-                blocks = read_layout(p, folds, source_of(ckpt), self._buffers, self._staging)
+                folds = p.folds(ckpt.scalings(self.spec.convert_keys))
+                blocks = read_layout(p, folds, ckpt.data, self._buffers, self._staging)
             else:
-                blocks = self._read_verified(ckpt, p, folds, digest)
-                self._snapshots.trim(0)  # a whole file's copy: not kept past the read that needed it
+                blocks, folds = self._read_verified(ckpt, p, digest)
         except ValueError as e:
             refused = ckpt.refusal([str(e)])
         else:
@@ -261,40 +256,46 @@ class LoraAdapterStore:
         b = {t: ab[1] for t, ab in views.items()}
         return LoadedAdapter(ckpt.name, digest, p.rank, folds.scaling, a, b, blocks, p.ranks)
 
-    def _read_verified(self, ckpt: Checkpoint, p: Plan, folds: Folds, digest: bytes) -> dict[str, torch.Tensor]:
-        """The weights that hash to digest, or a ValueError. The first read under a digest takes a snapshot of
-        every byte (from the one open file, or the pushed tensors' values), hashes it, lays the adapter out
-        from that very copy and keeps each run's fingerprint, taken from it too; later reads under the digest
-        read only this rank's runs and check their fingerprints where they landed (fingerprint.py)."""
-        manifest = digest_manifest(ckpt, self.spec.convert_keys)
+    def _read_verified(self, ckpt: Checkpoint, p: Plan, digest: bytes) -> tuple[dict[str, torch.Tensor], Folds]:
+        """The weights that hash to digest, or a ValueError. The first read under a digest reads every byte
+        once, in chunks it hashes and lays this rank's pieces out of as they pass (alpha tensors' values
+        too, so the scalings are the hashed ones), and keeps each run's fingerprint, taken where the run
+        landed; later reads under the digest read only this rank's runs and check their fingerprints
+        where they landed (fingerprint.py). Memory stays the layout's and two chunks, whatever the file."""
+        conv = self.spec.convert_keys
         key = (digest, ckpt.header.identity)  # the plan follows from the header and this store's layout
         with self._lock:
             known = self._verified.get(key)
         if known is not None and self.verify == "fingerprint":
-            if known[0] != manifest:
+            scalings = ckpt.scalings(conv)
+            if known[0] != digest_manifest(ckpt, conv):
                 raise ValueError(_changed(ckpt, "its names, shapes or scalings differ from those that hashed to "
                                                 "its digest"))
+            folds = p.folds(scalings)
             try:
-                return read_layout(p, folds, source_of(ckpt), self._buffers, self._staging, known[1])
+                return read_layout(p, folds, ckpt.data, self._buffers, self._staging, known[1]), folds
             except ValueError as e:
                 raise ValueError(_changed(ckpt, str(e))) from None
-        snap = snapshot(source_of(ckpt), self._snapshots)
-        if ckpt.tensors is None and bytes(snap[: len(ckpt.header.prefix)].numpy()) != ckpt.header.prefix:
+        landing = land(p, self._buffers, self._staging)
+        alphas = [(e.start, e.nbytes, memoryview(bytearray(e.nbytes))) for e in ckpt.alpha_entries(conv)]
+        visit = Scatter([*landing_ranges(p, landing), *alphas])
+        source = ckpt.data
+        if ckpt.tensors is None and source.read(len(ckpt.header.prefix), 0) != ckpt.header.prefix:
             raise ValueError("its header changed since it was read: the file was rewritten in place")
-        # The hash (which releases the GIL) runs beside the copy out of the same snapshot.
-        hashing = _HASHER.submit(adapter_digest, ckpt, self.spec.convert_keys, snapshot=snap)
-        try:
-            blocks = read_layout(p, folds, MemorySource(snap), self._buffers, self._staging)
-        finally:
-            found = hashing.result()
+        data = hash_stream(source, hash_runs(ckpt, conv), visit=visit)
+        hashed = ckpt.with_alphas({at: bytes(v) for at, _, v in alphas})  # the alphas as they were hashed
+        found = adapter_digest(hashed, conv, data=data)
         if found != digest:
             raise ValueError(f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was "
                              f"checked with: {_changed(ckpt)}")
+        prints = fingerprints(p, landing)  # before anything is laid out over the runs (folds write in place)
+        folds = p.folds(hashed.scalings(conv))
+        blocks = lay_out(p, landing, folds)
         with self._lock:
-            self._verified[key] = (manifest, fingerprint.of_runs(snap, p.runs()))
+            self._verified[key] = (digest_manifest(hashed, conv), prints)
             while len(self._verified) > VERIFIED:
                 self._verified.popitem(last=False)
-        return blocks
+        return blocks, folds
 
     def load(self, name: str, path: str | os.PathLike[str], digest: bytes | None = None) -> LoadedAdapter:
         """Hold name and read it from path unless its copy is in.
@@ -342,13 +343,6 @@ class LoraAdapterStore:
             del self._reading[name]
         future.set_result(adapter)
         return adapter
-
-
-def source_of(ckpt: Checkpoint) -> FileSource | TensorSource:
-    """What a read of ckpt reads from: its one open file, or its pushed tensors at their header's offsets."""
-    if ckpt.tensors is None:
-        return ckpt.source
-    return TensorSource(list(ckpt.tensors.values()), [e.start for e in ckpt.header.tensors.values()], ckpt.size)
 
 
 def _changed(ckpt: Checkpoint, why: str | None = None) -> str:
