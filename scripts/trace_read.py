@@ -1,6 +1,6 @@
 """Follow an adapter's path through the package as the data travels it: which files a read enters, in order.
 
-Run: .venv/bin/python scripts/trace_read.py [--digest] [--warm]
+Run: .venv/bin/python scripts/trace_read.py [--digest] [--when cold|checked|again]
 Every call from one file of the package into another that one LoraAdapterStore.load of a small
 Llama-shaped adapter makes is recorded by the callee's file, at the callee's first call (a loop calling a
 helper a thousand times is one step of the path; a return is no step); consecutive steps into one file
@@ -54,14 +54,18 @@ def stays(calls: list[str]) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--digest", action="store_true", help="load with the adapter's digest, as the manager reads")
-    p.add_argument("--warm", action="store_true", help="a header seen before (after the startup check)")
+    p.add_argument("--when", choices=["cold", "checked", "again"], default="again",
+                   help="a header never seen; seen by the startup check only; or read before, as every read "
+                        "after an eviction (the default)")
     args = p.parse_args()
     spec = specs_from_config("tiny-llama", max_rank=16)["language_model"]
     with tempfile.TemporaryDirectory() as root:
         path = write_peft_adapter(Path(root) / "ad", sample_modules(spec, 8, dtype=torch.bfloat16), alpha=16,
                                   alpha_pattern={"down_proj": 32})
-        digest = check_adapter_file(spec, "ad", path) if args.digest or args.warm else None
+        digest = check_adapter_file(spec, "ad", path) if args.digest or args.when != "cold" else None
         store = LoraAdapterStore(spec, pin=False)
+        if args.when == "again":
+            store.read("ad", path, digest if args.digest else None)
         path_stays = stays(trace(lambda: store.load("ad", path, digest if args.digest else None)))
     seen, climbs = set(), 0
     for f in path_stays:
