@@ -3,7 +3,6 @@ metadata): the rank and scaling it gives each module, and the options not served
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Mapping
@@ -87,13 +86,16 @@ def _pattern_value(values: Mapping[str, float], module: str, default: float) -> 
     # PEFT's rule: keys in the file's order, the first whose (.*\.)?(key)$ matches wins.
     if not values:
         return default
-    i = _keys(tuple(values)).first(module)
-    return default if i is None else list(values.values())[i]
+    keys = _KEYS.get(id(values))
+    if keys is None or keys[0] is not values:  # one PatternKeys per config's map, for as long as the map lives
+        if len(_KEYS) > 256:
+            _KEYS.clear()
+        keys = _KEYS[id(values)] = (values, patterns.PatternKeys(list(values)), list(values.values()))
+    i = keys[1].first(module)
+    return default if i is None else keys[2][i]
 
 
-@functools.lru_cache(maxsize=256)
-def _keys(keys: tuple[str, ...]) -> patterns.PatternKeys:
-    return patterns.PatternKeys(keys)
+_KEYS: dict[int, tuple[Mapping[str, float], patterns.PatternKeys, list[float]]] = {}
 
 
 def parse_config(raw: object, source: str = "adapter_config.json") -> AdapterConfig:

@@ -77,17 +77,40 @@ class PatternKeys:
 
     def __init__(self, keys: Sequence[str]) -> None:
         self.keys = list(keys)
+        self._found: dict[str, int | None] = {}  # a model's modules are asked for again and again
+        self._words: dict[str, int] = {}  # a key without dots -> its first index: it can only be the last word
         self._plain: dict[int, dict[tuple[int, ...], dict[str, int]]] = {}  # length -> dots -> key -> first index
         self._other: list[int] = []
         for i, key in enumerate(self.keys):
-            if _PLAIN.fullmatch(key):
+            if _PLAIN.fullmatch(key) and "." not in key:
+                self._words.setdefault(key, i)
+            elif _PLAIN.fullmatch(key):
                 dots = tuple(j for j, ch in enumerate(key) if ch == ".")
                 self._plain.setdefault(len(key), {}).setdefault(dots, {}).setdefault(key, i)
             else:
                 self._other.append(i)
 
     def first(self, name: str) -> int | None:
+        if name not in self._found:
+            if len(self._found) > 1 << 17:
+                self._found.clear()
+            self._found[name] = self._first(name)
+        return self._found[name]
+
+    def _first(self, name: str) -> int | None:
         best = None
+        if self._words and "\n" not in name:
+            best = self._words.get(name.rpartition(".")[2])
+        if self._plain:
+            best = self._first_plain(name, best)
+        for i in self._other:
+            if best is not None and i > best:
+                break
+            if peft_match(self.keys[i], name):
+                return i
+        return best
+
+    def _first_plain(self, name: str, best: int | None) -> int | None:
         line = name.find("\n") % (len(name) + 1)  # the wrapping's .* stops at a newline
         starts = [0] + [j + 1 for j, ch in enumerate(name[:line]) if ch == "."]
         for start in starts:  # (.*\.)?key$: the key is a suffix that starts the name or follows a dot
@@ -101,11 +124,6 @@ class PatternKeys:
                 i = found.get(masked)
                 if i is not None and (best is None or i < best):
                     best = i
-        for i in self._other:
-            if best is not None and i > best:
-                break
-            if peft_match(self.keys[i], name):
-                return i
         return best
 
 
