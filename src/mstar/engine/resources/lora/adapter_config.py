@@ -42,9 +42,9 @@ class AdapterConfig:
     alpha_pattern: Mapping[str, float] = field(default_factory=dict)
     layers_to_transform: tuple[int, ...] | None = None
     source: str = "adapter_config.json"
-    target_modules: tuple[str, ...] | str | None = None  # names, or one regex; None: whatever the file holds
-    exclude_modules: tuple[str, ...] | str | None = None
-    target_parameters: tuple[str, ...] | None = None
+    target_modules: frozenset[str] | str | None = None  # names, or one regex; None: whatever the file holds
+    exclude_modules: frozenset[str] | str | None = None
+    target_parameters: frozenset[str] | None = None
 
     @property
     def scaling(self) -> float:
@@ -76,10 +76,11 @@ class AdapterConfig:
                                                            _names(self.target_parameters, module))
 
 
-def _names(names: tuple[str, ...] | str, module: str) -> bool:
+def _names(names: frozenset[str] | str, module: str) -> bool:
     if isinstance(names, str):
         return patterns.fullmatch(names, module)
-    return module in names or any(module.endswith(f".{n}") for n in names)
+    # PEFT: the name itself, or a dotted suffix of it, is listed
+    return module in names or any(module[i + 1 :] in names for i, ch in enumerate(module) if ch == ".")
 
 
 def _pattern_value(values: Mapping[str, float], module: str, default: float) -> float:
@@ -195,7 +196,7 @@ def _patterns(v: object, what: str, kind: type) -> dict:
     return out
 
 
-def _modules(v: object, what: str, regex: bool = True) -> tuple[str, ...] | str | None:
+def _modules(v: object, what: str, regex: bool = True) -> frozenset[str] | str | None:
     """target_modules and the like: a list of names (a set, saved), or one regex where regex."""
     if v is None:
         return None
@@ -209,7 +210,7 @@ def _modules(v: object, what: str, regex: bool = True) -> tuple[str, ...] | str 
         v = [v]
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v) or len(v) > MAX_KEYS:
         raise ValueError(f"{what} is not a list of module names")
-    return tuple(v)
+    return frozenset(v)
 
 
 def _short(text: str) -> str:
