@@ -1,24 +1,20 @@
 """A fault-injection soak of LoraManager: what is served is what was checked, while files and tensors change.
 
-Run: .venv/bin/python scripts/soak.py [--seconds 180] [--seed 0] [--register-on thread|step]
-(about 3.5 minutes on 2 cores; not in CI). Its exit code is non-zero on any defect below.
+Run: .venv/bin/python scripts/soak.py [--seconds 180] [--seed 0] [--register-on thread|step] (about 3.5
+minutes on 2 cores; not in CI). Its exit code is non-zero on any defect below; its last lines report.
 
-The manager serves a random trace (arrivals; requests running 1-6 steps) over 12 tiny adapters, with a
-host capacity of 4 and 3 device slots: evictions, re-reads and slot reuse never stop. One thread
-publishes new versions of 9 file adapters (an atomic rename, then register again, as an operator
-reloads), rewrites their files in place (whole after a pause, or torn), truncates and deletes them;
-another pushes new tensors for the other 3 and steps the pushed tensors in place (an optimizer,
-sometimes undone at once). A damaged adapter is published again (a new version or the same one)
-within --heal-ms, and every --storm seconds all are, for --calm seconds without faults.
-
-After each step every running request's slot on every node (A, B, ranks, scaling) must hold the
-weights of the digest it was admitted with, as separate stores read them once from a pristine copy of
-that version. A failed request must carry a ValueError naming its adapter and a reason; one whose
-adapter was intact all step, or told a registered name is not registered, is spurious. A step over
---step-limit, or a request waiting over --wait-limit while its adapter is intact, is a hang. Every
-exception is caught and counted as a crash, and the soak runs in a child process, so that a SIGBUS
-shows as its exit code. It reports steps, faults by kind, requests admitted and failed (by reason),
-the manager's counters, and RSS, the stores' mapped bytes and open file descriptors at start and end.
+A random trace (arrivals; requests running 1-6 steps) over 12 tiny adapters, host capacity 4, 3 device
+slots: evictions, re-reads and slot reuse never stop. One thread publishes new versions of 9 file
+adapters (an atomic rename, then register again, as an operator reloads), rewrites their files in place
+(whole after a pause, or torn), truncates and deletes them; another pushes new tensors for the other 3
+and steps the pushed tensors in place (an optimizer, sometimes undone at once). A damaged adapter is
+published again (a new version, or the same one) within --heal-ms, and all are for --calm of every
+--storm seconds. After each step, every running request's slot (A, B, ranks, scaling, on every node)
+must hold the weights of the digest it was admitted with, as separate stores read them from a pristine
+copy. A failed request must carry a ValueError naming its adapter and a reason; one failed while its
+adapter was intact all step, or told a registered name is not, is spurious. A step over --step-limit,
+or a wait over --wait-limit while the adapter is intact, is a hang. Every exception is counted as a
+crash, and the soak runs in a child process, so that a SIGBUS shows as its exit code.
 """
 
 from __future__ import annotations
@@ -57,23 +53,23 @@ TARGETS = (("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("qkv_proj", "o_
 FILE_FAULTS = {"rename": 4, "rewrite": 1, "torn": 1, "truncate": 1, "delete": 1}
 PUSH_FAULTS = {"push": 2, "step": 1, "step-and-undo": 1}
 REASONS = {"file changed": "the file changed since", "tensors changed": "the tensors changed since",
-           "cut short": "ended early|changed size|past the end", "file missing": "no adapter_model|no such file",
-           "not registered": "is not registered"}
+           "cut short": "ended early|changed size|past the end|too short", "not registered": "is not registered",
+           "file missing": "no adapter_model|no such file"}
 BAD = ("wrong weights", "crashes", "hangs", "spurious failures", "failures not naming their adapter and a reason",
        "publishes refused")
 
 
 @dataclass
 class Adapter:
-    """One name served: its shape (every version's), its current version (digest; the file's bytes or the
-    tensors pushed; its config), and since when that version's file or tensors are intact (None: damaged)."""
+    """One name served: its shape (every version's), its current version (digest, the file's bytes or the
+    tensors pushed, config), and since when that version's file or tensors are intact (None: damaged)."""
 
     name: str
     rank: int
     targets: tuple[str, ...]
     pushed: bool
     intact_since: float | None = None
-    digest: bytes | None = None
+    digest: bytes = b""
     weights: bytes | dict | None = None
     config: str = ""
     tensors: dict | None = None  # the very tensors given to push, which the optimizer steps in place
@@ -81,8 +77,7 @@ class Adapter:
 
 @dataclass
 class Job:
-    """A request of the trace: its adapter (None: the base model), when it arrived, the steps it runs for,
-    and the digest it was admitted with."""
+    """A request of the trace, and the digest it was admitted with."""
 
     id: int
     adapter: str | None
@@ -93,7 +88,8 @@ class Job:
 
 
 def fingerprint(scaling: torch.Tensor, targets: list[tuple[torch.Tensor, ...]]) -> bytes:
-    """A slot's scaling and each target's A, B and ranks, hashed byte for byte."""
+    """A slot's scaling and each target's A, B and ranks, hashed byte for byte: 64 bytes kept per digest, so
+    RSS stays the manager's."""
     h = hashlib.blake2b(scaling.numpy().tobytes())
     for t in (t for abr in targets for t in abr):
         h.update(t.contiguous().flatten().view(torch.uint8).numpy())
@@ -114,9 +110,9 @@ class Soak:
         self.refs = {n: LoraAdapterStore(s.spec, s.rank, s.world_size, pin=False, dtype=s.dtype)
                      for n, s in self.manager.stores.items()}
         self.spec = next(iter(self.refs.values())).spec
-        names = [f"file{i}" for i in range(args.files)] + [f"push{i}" for i in range(args.pushes)]
+        names = [f"file{i}" for i in range(9)] + [f"push{i}" for i in range(3)]
         self.adapters = {n: Adapter(n, 4 << i % 2, TARGETS[i % 3], n.startswith("push")) for i, n in enumerate(names)}
-        self.expected: dict[bytes, dict[str, bytes]] = {}  # digest -> node -> the fingerprint of its slot
+        self.expected: dict[bytes, dict[str, bytes]] = {}  # digest -> node -> its slot's fingerprint
         self.count: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
         self.reasons: dict[str, str] = {}
@@ -124,7 +120,7 @@ class Soak:
         self.stop, self.done = threading.Event(), threading.Event()  # no more faults; no more steps
         self.faulters: list[threading.Thread] = []
         self.control: queue.Queue = queue.Queue()  # registrations for the step loop to make (--register-on step)
-        self.lock = threading.Lock()
+        self.lock, self.versions = threading.Lock(), threading.Lock()  # the reference stores are shared
 
     def problem(self, kind: str, detail: str) -> None:
         with self.lock:
@@ -132,62 +128,62 @@ class Soak:
             if self.count[kind] <= 3:
                 print(f"[{kind}] {detail}", flush=True)
 
-    # --- versions, and what a slot holding one must hold --------------------------------------
+    # --- versions: made, their slots' fingerprints known, then registered -------------------------
 
-    def version(self, a: Adapter) -> Path:
-        """A new version of a (its shapes, other weights) in a folder of its own: its pristine copy."""
-        with self.lock:
+    def version(self, a: Adapter, read) -> None:
+        """A new current version of a (its shapes, other weights), read(reference store, pristine folder)
+        giving each node's expected slot."""
+        with self.versions:
             self.seq += 1
-            seq = self.seq
-        modules = sample_modules(self.spec, a.rank, seed=seq, targets=a.targets, b_std=0.1)
-        return write_peft_adapter(self.root / "versions" / f"{a.name}-{seq}", modules, alpha=2 * a.rank)
-
-    def expect(self, digest: bytes, read) -> None:
-        """The fingerprint of a slot holding digest, on every node, as read(reference store) lays the weights
-        out from a pristine copy: kept for every digest registered, 64 bytes each, so RSS is the manager's."""
-        with self.lock:  # the reference stores are shared by both fault threads; they are not under test
-            out = {}
+            src = write_peft_adapter(self.root / "versions" / f"{a.name}-{self.seq}", sample_modules(
+                self.spec, a.rank, seed=self.seq, targets=a.targets, b_std=0.1), alpha=2 * a.rank)
+            a.config = (src / CONFIG).read_text()
+            a.weights = safetensors.torch.load_file(src / WEIGHTS) if a.pushed else (src / WEIGHTS).read_bytes()
+            a.digest = check_adapter_tensors(self.spec, a.name, a.weights, json.loads(a.config)) if a.pushed \
+                else check_adapter_file(self.spec, a.name, src)
+            self.expected[a.digest] = {}
             for node, ref in self.refs.items():
-                x, pool = read(ref), self.manager.pools[node]
-                out[node] = fingerprint(torch.tensor(x.scaling, dtype=torch.float32), [
+                x, pool = read(ref, src), self.manager.pools[node]
+                self.expected[a.digest][node] = fingerprint(torch.tensor(x.scaling, dtype=torch.float32), [
                     (x.a[t], x.b[t], x.ranks[t]) if t in x.a else  # a target the version lacks is all zeros
                     (torch.zeros_like(pool.a[t][0]), torch.zeros_like(pool.b[t][0]), torch.zeros_like(pool.ranks[t][0]))
                     for t in pool.a])
                 del x
                 ref.trim()
-        self.expected[digest] = out
+            shutil.rmtree(src)
 
     def register(self, a: Adapter, call) -> None:
-        """call (a register or a push of a's current version) made where --register-on says; a is intact
-        from its return on."""
+        """call (a register or push of a's current version) made where --register-on says; a is intact from
+        its return on."""
+        box: list = []
+        done = threading.Event()
+
+        def attempt() -> None:
+            try:
+                box.append(call())
+            except Exception as e:
+                box.append(e)
+            done.set()
+
         if self.args.register_on == "step" and self.faulters:
-            done, box = threading.Event(), []
-            self.control.put((call, box, done))
+            self.control.put(attempt)
             if not done.wait(60):
                 return self.problem("hangs", f"the step loop did not register {a.name} within 60 s")
-            v = box[0]
         else:
-            try:
-                v = call()
-            except Exception as e:
-                v = e
-        if isinstance(v, BaseException) or v.digest != a.digest:
-            self.problem("publishes refused", f"{a.name} ({a.digest.hex()[:16]}): {v!r}")
+            attempt()
+        if isinstance(box[0], Exception) or box[0].digest != a.digest:
+            self.problem("publishes refused", f"{a.name} ({a.digest.hex()[:16]}): {box[0]!r}")
         else:
             a.intact_since = time.monotonic()
 
-    # --- faults: each adapter's come from one thread, and mark it damaged before they change it ----------
+    # --- faults: an adapter's come from one thread, and mark it damaged before they change it ----------
 
     def rename(self, a: Adapter, rng: random.Random, again: bool = False) -> None:
         """A new version published by an atomic rename, then registered; again: the current one's bytes
-        published anew (registering a failed name again retries it)."""
+        (registering a failed name again retries it)."""
         a.intact_since = None
         if not again or a.weights is None:
-            src = self.version(a)
-            a.digest = check_adapter_file(self.spec, a.name, src)
-            self.expect(a.digest, lambda ref: ref.read(a.name, src, a.digest))
-            a.weights, a.config = (src / WEIGHTS).read_bytes(), (src / CONFIG).read_text()
-            shutil.rmtree(src)
+            self.version(a, lambda ref, src: ref.read(a.name, src, a.digest))
         served = self.root / "served" / a.name
         served.mkdir(parents=True, exist_ok=True)
         if not (served / CONFIG).exists():  # every version's is the same: never rewritten under a read
@@ -197,11 +193,12 @@ class Soak:
         self.register(a, lambda: self.manager.register(a.name, served))
 
     def rewrite(self, a: Adapter, rng: random.Random, torn: bool = False) -> None:
-        """Other weights written over the file in place: whole, after a pause part way; or torn, a part only."""
+        """Other weights (same shapes) over the file in place: whole, after a pause part way; or torn, a part."""
         a.intact_since = None
-        src, path = self.version(a), self.root / "served" / a.name / WEIGHTS
-        data = (src / WEIGHTS).read_bytes()
-        shutil.rmtree(src)
+        path = self.root / "served" / a.name / WEIGHTS
+        data = bytearray(a.weights)
+        at = 8 + int.from_bytes(data[:8], "little")  # past the header: the same shapes, other weights
+        data[at:] = os.urandom(len(data) - at)
         if path.parent.exists():
             cut = rng.randrange(1, len(data))
             with open(path, "r+b" if path.exists() else "wb") as f:
@@ -226,18 +223,13 @@ class Soak:
         """New tensors pushed; again: the current version's values, in tensors of their own."""
         a.intact_since = None
         if not again or a.weights is None:
-            src = self.version(a)
-            a.weights, a.config = safetensors.torch.load_file(src / WEIGHTS), (src / CONFIG).read_text()
-            shutil.rmtree(src)
-            a.digest = check_adapter_tensors(self.spec, a.name, a.weights, json.loads(a.config))
-            self.expect(a.digest, lambda ref: ref.read_tensors(a.name, a.weights, json.loads(a.config), a.digest))
+            self.version(a, lambda ref, _: ref.read_tensors(a.name, a.weights, json.loads(a.config), a.digest))
         tensors, config = {k: t.clone() for k, t in a.weights.items()}, json.loads(a.config)
         a.tensors = tensors
         self.register(a, lambda: self.manager.push(a.name, tensors, config))
 
     def step_tensors(self, a: Adapter, rng: random.Random, undo: bool = False) -> None:
-        """An optimizer step on one pushed tensor, in place; undo: put back soon after, so that a read in
-        between saw other weights and one after sees the pushed ones."""
+        """An optimizer step on a pushed tensor, in place; undo: put back soon after."""
         a.intact_since = None
         t = a.tensors[rng.choice(sorted(a.tensors))]
         before = t.clone()
@@ -273,6 +265,57 @@ class Soak:
 
     # --- the step loop and its checks ----------------------------------------------------------
 
+    def serve(self, rng: random.Random) -> None:
+        """The engine's loop: arrivals, a step, its checks, a forward (asleep, prefetching the queue), a step
+        done for every running request. Arrivals stop after --seconds, then the queue drains."""
+        waiting: list[Job] = []
+        running: dict[int, Job] = {}
+        while (arriving := time.monotonic() - self.t0 < self.args.seconds) or waiting or running or any(
+                t.is_alive() for t in self.faulters):
+            now = time.monotonic()
+            if not arriving:
+                self.stop.set()  # the faulters publish every damaged adapter again, and end
+            if now - self.t0 > self.args.seconds + 60:
+                return self.problem("hangs", f"no drain: {len(waiting)} waiting, {len(running)} running")
+            if now - self.t0 > self.args.seconds / 4 and not self.rss_quarter:
+                self.rss_quarter = f"{rss_mb():.0f} MB"
+            for _ in range(3 if arriving else 0):
+                if rng.random() < self.args.rate / 3:
+                    name = rng.choice([*self.adapters, None])
+                    waiting.append(Job(self.count["arrived"], name, now, rng.randint(1, 6)))
+                    self.count["arrived"] += 1
+            while not self.control.empty():
+                self.control.get()()
+            intact = {n: a.intact_since for n, a in self.adapters.items()}
+            self.step_started = time.monotonic()
+            try:
+                step = self.manager.step([Request(j.id, j.adapter) for j in running.values()],
+                                         [Request(j.id, j.adapter) for j in waiting])
+            except Exception:
+                self.problem("crashes", f"step: {traceback.format_exc()}")
+                running.clear()
+                continue
+            finally:
+                self.count["steps"] += 1
+                ms = round((time.monotonic() - self.step_started) * 1e3)
+                self.count["longest step, ms"] = max(self.count["longest step, ms"], ms)
+                self.step_started = None
+            for job in waiting:
+                if job.id in step.failed:
+                    self.fail(job, step.failed[job.id], intact.get(job.adapter))
+                elif job.id in step.admitted:
+                    job.digest, running[job.id] = step.digest[job.id], job
+                    self.count["admitted" if job.adapter else "admitted to the base model"] += 1
+            waiting = [j for j in waiting if j.id not in step.failed and j.id not in running]
+            self.check_slots(step, [j for j in running.values() if j.adapter is not None])
+            self.check_waits(waiting)
+            self.manager.prefetch([Request(j.id, j.adapter) for j in waiting])  # as the forward runs
+            time.sleep(1e-3)
+            for job in list(running.values()):
+                job.steps -= 1
+                if job.steps == 0:
+                    del running[job.id]
+
     def check_slots(self, step, running: list[Job]) -> None:
         checked = set()
         for job in running:
@@ -306,62 +349,6 @@ class Soak:
         self.count[f"failed: {kind}"] += 1
         self.reasons.setdefault(kind, text)
 
-    def serve(self, rng: random.Random) -> None:
-        """The engine's loop: arrivals, one step, its checks, a forward (asleep, prefetching the queue), then
-        a step done for every running request. Arrivals stop after --seconds; the queue drains."""
-        waiting: list[Job] = []
-        running: dict[int, Job] = {}
-        while (arriving := time.monotonic() - self.t0 < self.args.seconds) or waiting or running or any(
-                t.is_alive() for t in self.faulters):
-            now = time.monotonic()
-            if not arriving:
-                self.stop.set()  # the faulters publish every damaged adapter again, and end
-            if now - self.t0 > self.args.seconds + 60:
-                return self.problem("hangs", f"no drain: {len(waiting)} waiting, {len(running)} running")
-            if now - self.t0 > self.args.seconds / 4 and not self.rss_quarter:
-                self.rss_quarter = f"{rss_mb():.0f} MB"
-            for _ in range(3 if arriving else 0):
-                if rng.random() < self.args.rate / 3:
-                    waiting.append(Job(self.count["arrived"], rng.choice([*self.adapters, None]), now,
-                                       rng.randint(1, 6)))
-                    self.count["arrived"] += 1
-            while not self.control.empty():
-                call, box, done = self.control.get()
-                try:
-                    box.append(call())
-                except Exception as e:
-                    box.append(e)
-                done.set()
-            intact = {n: a.intact_since for n, a in self.adapters.items()}
-            self.step_started = time.monotonic()
-            try:
-                step = self.manager.step([Request(j.id, j.adapter) for j in running.values()],
-                                         [Request(j.id, j.adapter) for j in waiting])
-            except Exception:
-                self.problem("crashes", f"step: {traceback.format_exc()}")
-                running.clear()
-                continue
-            finally:
-                self.count["steps"] += 1
-                ms = round((time.monotonic() - self.step_started) * 1e3)
-                self.count["longest step, ms"] = max(self.count["longest step, ms"], ms)
-                self.step_started = None
-            for job in waiting:
-                if job.id in step.failed:
-                    self.fail(job, step.failed[job.id], intact.get(job.adapter))
-                elif job.id in step.admitted:
-                    job.digest, running[job.id] = step.digest[job.id], job
-                    self.count["admitted" if job.adapter else "admitted to the base model"] += 1
-            waiting = [j for j in waiting if j.id not in step.failed and j.id not in running]
-            self.check_slots(step, [j for j in running.values() if j.adapter is not None])
-            self.check_waits(waiting)
-            self.manager.prefetch([Request(j.id, j.adapter) for j in waiting])  # as the forward runs
-            time.sleep(1e-3)
-            for job in list(running.values()):
-                job.steps -= 1
-                if job.steps == 0:
-                    del running[job.id]
-
     def check_waits(self, waiting: list[Job]) -> None:
         now = time.monotonic()
         for job in waiting:
@@ -382,7 +369,6 @@ class Soak:
 
 
 def resources(soak: Soak) -> tuple[str, int]:
-    """RSS, the stores' mapped bytes and the open file descriptors, as a line; and the descriptors."""
     mapped = sum(s.mapped_bytes for s in soak.manager.stores.values())
     fds = len(os.listdir("/proc/self/fd"))
     return f"RSS {rss_mb():.0f} MB, mapped {mapped / 2**20:.2f} MB, {fds} open fds", fds
@@ -398,8 +384,7 @@ def report(soak: Soak, start: str, end: str) -> None:
         print(f"  e.g. {kind}: {text[:240]}")
     print(f"manager: {m.reads} reads, {m.read_failures} failed, {m.evictions} evictions, {m.device_copies} device "
           f"copies, host hits {m.host_hits}, misses {m.host_misses}")
-    print(f"at start: {start}; at end: {end}; RSS a quarter in: {soak.rss_quarter}; {len(soak.expected)} digests "
-          "registered")
+    print(f"at start: {start}; at end: {end}; RSS a quarter in: {soak.rss_quarter}; {len(soak.expected)} digests")
     print(f"slot checks {c['slot checks']}; " + "; ".join(f"{k} {c[k]}" for k in BAD))
 
 
@@ -443,9 +428,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=180.0, help="how long requests arrive (then the queue drains)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--files", type=int, default=9, help="adapters served from files")
-    ap.add_argument("--pushes", type=int, default=3, help="adapters pushed from memory")
-    ap.add_argument("--host", type=int, default=4, help="host capacity, in adapters")
+    ap.add_argument("--register-on", choices=("thread", "step"), default="thread",
+                    help="where new versions are registered: the fault threads (an operator's), or the step loop")
+    ap.add_argument("--host", type=int, default=4, help="host capacity, in adapters (of 12)")
     ap.add_argument("--slots", type=int, default=3, help="device slots")
     ap.add_argument("--world-size", type=int, default=1, help="serve rank 0's shards of this many (no group)")
     ap.add_argument("--rate", type=float, default=0.6, help="arrivals per step")
@@ -453,8 +438,6 @@ def main() -> None:
     ap.add_argument("--heal-ms", type=float, default=300.0, help="the most a damaged adapter waits to be published")
     ap.add_argument("--storm", type=float, default=20.0, help="seconds of faults, ...")
     ap.add_argument("--calm", type=float, default=4.0, help="... then seconds of none, every adapter intact")
-    ap.add_argument("--register-on", choices=("thread", "step"), default="thread",
-                    help="where new versions are registered: the fault threads (an operator's), or the step loop")
     ap.add_argument("--switch-interval", type=float, default=0.005, help="sys.setswitchinterval: smaller switches "
                                                                         "threads more often, widening race windows")
     ap.add_argument("--step-limit", type=float, default=5.0, help="a longer step is a hang")
