@@ -1,8 +1,7 @@
-"""What scripts/soak.py found, each as the smallest interleaving that shows it: expected to fail until fixed.
+"""What scripts/soak.py found, each as the smallest interleaving that shows it (each failed before its fix).
 
-Each is xfail(strict): once the manager is fixed the test passes, strict makes that a failure, and the
-marker goes. The interleavings are made deterministic by running the other thread's call exactly where a
-thread switch can land, as test_races.py does for reads.
+The interleavings are made deterministic by running the other thread's call exactly where a thread switch
+can land, as test_races.py does for reads.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ import os
 import sys
 import threading
 
-import pytest
 import torch
 from tiny import make_adapter, model_config
 
@@ -36,8 +34,6 @@ def outcome(m: LoraManager, rid: int, name: str) -> tuple[bool, ValueError | Non
     return False, None
 
 
-@pytest.mark.xfail(strict=True, reason="a read under way when its version is registered again records its failure "
-                                       "afterwards (Manager._read sets entry.error whatever _register did meanwhile)")
 def test_a_read_under_way_when_the_fixed_file_is_registered_again_does_not_fail_the_name(tmp_path):
     _, path = make_adapter(tmp_path, name="x", seed=3)
     weights = path / "adapter_model.safetensors"
@@ -84,10 +80,6 @@ def at_every_line(fn, files: tuple[str, ...], between) -> None:
         sys.settrace(None)
 
 
-@pytest.mark.xfail(strict=True, reason="register from another thread than step: Registry.register unregisters the "
-                                       "old version before the new one is current (a step between says 'not "
-                                       "registered'), and step's _collect drops the new entry between _register's "
-                                       "lock and registry.register (no read of it ever starts)")
 def test_a_reload_from_another_thread_fails_no_request_and_is_read(tmp_path):
     paths = [make_adapter(tmp_path, name=f"v{i}", seed=i)[1] for i in (1, 2)]
     m = manager()

@@ -166,7 +166,9 @@ class LoraManager:
             else:  # the same weights again: a failed read is tried anew, with the version as given now
                 entry.version, entry.error = version, None
                 entry.registered += 1
-        self.registry.register(version)
+            # under the lock a step's collection takes: the entry is never collected as stale before its
+            # version is current (a reload registered from another thread than the step's was never read)
+            self.registry.register(version)
 
     def unregister(self, name: str) -> None:
         """No new request gets name; its memory is freed once no running request uses it."""
