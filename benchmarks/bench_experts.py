@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import Memcpy, cold, ms, settle_writes, side_by_side
@@ -66,10 +66,14 @@ def write(root: Path, stacked: bool) -> Path:
     path = root / ("stacked" if stacked else "per-expert")
     path.mkdir()
     save_file(tensors, path / "adapter_model.safetensors")
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
     config = {"peft_type": "LORA", "r": R, "lora_alpha": 2 * R, "peft_version": "0.21.2",
               "rank_pattern": {"gate_up_proj": R_EXPERT, "down_proj": R_EXPERT, "gate_proj": R_EXPERT,
-                               "up_proj": R_EXPERT},
-              "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+                               "up_proj": R_EXPERT}}
+    if stacked:  # as PEFT saves target_parameters beside target_modules
+        config.update(target_modules=attention, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    else:
+        config.update(target_modules=[*attention, "gate_proj", "up_proj", "down_proj"])
     (path / "adapter_config.json").write_text(json.dumps(config))
     return path
 
@@ -89,13 +93,22 @@ def main() -> None:
         def read(stores=stores, path=path, name=kind):
             return [s.read(name, path) for s in stores.values()]
 
-        t = side_by_side({"cold": cold(read), "warm": read, "memcpy": Memcpy(file)}, repeat=9)
+        tensors = load_file(file)
+        config = json.loads((path / "adapter_config.json").read_text())
+
+        def push(stores=stores, tensors=tensors, config=config, name=kind):  # as an RL loop syncs it every step
+            return [s.read_tensors(name, tensors, config) for s in stores.values()]
+
+        t = side_by_side({"cold": cold(read), "warm": read, "memcpy": Memcpy(file), "push": push,
+                          "clone": lambda tensors=tensors: {k: v.clone() for k, v in tensors.items()}}, repeat=9)
         adapters = read()
         layout_bytes = sum(a.nbytes for a in adapters)
         print(f"{kind}: file {file.stat().st_size / 1e6:.0f} MB, {len(open_checkpoint(path).header.tensors)} "
               f"tensors; layout {layout_bytes / 1e6:.0f} MB (experts {adapters[1].nbytes / 1e6:.0f} MB)")
         print(f"  read (both nodes) cold {ms(t['cold'])}, warm {ms(t['warm'])}; memcpy of the file {ms(t['memcpy'])} "
               f"-> {t['cold'] / t['memcpy']:.2f}x cold, {t['warm'] / t['memcpy']:.2f}x warm")
+        print(f"  pushed from memory (both nodes) {ms(t['push'])}; a clone of every tensor {ms(t['clone'])} -> "
+              f"{t['push'] / t['clone']:.2f}x")
         assert digest
     ckpt = open_checkpoint(paths["stacked"])
     for ws in (1, 2, 4, 8):

@@ -200,3 +200,83 @@ def test_an_unreadable_config_file_is_refused_naming_it(tmp_path):
     os.mkfifo(config)
     with pytest.raises(ValueError, match=r"adapter 'ad' \(.*adapter_config.json\)"):
         check_adapter_file(LM, "ad", path)
+
+
+def test_alternatives_alone_that_backtrack_are_matched_in_bounded_time():
+    """(\\w|[^#]|.) two dozen times then # has no repeat, yet re tries 3^24 ways on a name without #."""
+    code = f"""
+import sys
+sys.path.insert(0, {str(TESTS)!r})
+from mstar.engine.resources.lora.patterns import check_key, fullmatch, peft_match
+key = r"(\\w|[^#]|.)" * 24 + "#"
+check_key(key)
+print(peft_match(key, "model.layers.0.self_attn.q_proj"), fullmatch(key, "model.layers.0.self_attn.q_proj"))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["False", "False"], done.stderr[-2000:]
+
+
+def test_a_config_whose_patterns_unfold_past_the_budget_is_refused(tmp_path):
+    _, path = make_adapter(tmp_path)
+    config = json.loads((path / "adapter_config.json").read_text())
+    bombs = {f"x{i}(a|b){{900}}": 4 for i in range(40)}  # each under the limit per pattern, not together
+    (path / "adapter_config.json").write_text(json.dumps({**config, "rank_pattern": bombs}))
+    with pytest.raises(ValueError, match=r"rank_pattern's keys that repeat or alternate unfold to more than"):
+        check_adapter_file(LM, "ad", path)
+
+
+def test_a_header_whose_length_is_no_multiple_of_four_is_read_as_safetensors_reads_it(tmp_path):
+    from safetensors.torch import load_file
+
+    _, path = make_adapter(tmp_path, r=4)
+    aligned = LoraAdapterStore(LM, pin=False, dtype=torch.float32).read("ad", path)
+    raw = (path / "adapter_model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    text = raw[8 : 8 + n].rstrip() + b"  "  # two spaces of padding: the data starts at 2 mod 4
+    assert (8 + len(text)) % 4 == 2
+    (path / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    assert load_file(path / "adapter_model.safetensors")
+    for digest in (None, check_adapter_file(LM, "ad", path)):
+        got = LoraAdapterStore(LM, pin=False, dtype=torch.float32).read("ad", path, digest)
+        assert all(torch.equal(got.a[t], aligned.a[t]) and torch.equal(got.b[t], aligned.b[t]) for t in got.a)
+
+
+@pytest.mark.parametrize(("path", "why"), [(None, "its path is a NoneType"), (b"/tmp/x", "its path is a bytes")])
+def test_a_path_that_is_no_path_is_refused_by_name(path, why):
+    with pytest.raises(ValueError, match=rf"adapter 'ad' .*{why}, not a str or os.PathLike"):
+        check_adapter_file(LM, "ad", path)
+
+
+def test_a_name_past_name_max_is_refused_by_inspect_too(tmp_path):
+    from mstar.engine.resources.lora import inspect_adapter
+
+    with pytest.raises(ValueError, match=r"cannot be opened \(File name too long\)"):
+        inspect_adapter(LM, tmp_path / ("x" * 300))
+
+
+def test_an_integer_past_pythons_digit_limit_is_refused_naming_the_config(tmp_path):
+    _, path = make_adapter(tmp_path)
+    text = (path / "adapter_config.json").read_text()
+    (path / "adapter_config.json").write_text(text.replace('"r": 4', '"r": ' + "9" * 5000))
+    with pytest.raises(ValueError, match=r"adapter_config.json\): adapter_config.json is not JSON this pool reads"):
+        check_adapter_file(LM, "ad", path)
+
+
+def test_an_empty_pushed_tensor_sorted_first_is_refused_not_a_crash(tmp_path):
+    pm, _ = make_adapter(tmp_path)
+    tensors, config = get_peft_model_state_dict(pm), pm.peft_config["default"]
+    odd = {"aaa.lora_A.weight": torch.zeros(0), **tensors}
+    with pytest.raises(ValueError, match=r"adapter 'ad' \(<pushed tensors>\): module aaa: no target"):
+        check_adapter_tensors(LM, "ad", odd, config)
+    s = LoraAdapterStore(LM, pin=False)
+    with pytest.raises(ValueError, match=r"adapter 'ad' \(<pushed tensors>\)"):
+        s.read_tensors("ad", odd, config, b"\0" * 32)
+
+
+def test_what_a_header_derives_stays_bounded_however_many_configs_it_is_seen_with(tmp_path):
+    _, path = make_adapter(tmp_path)
+    config = json.loads((path / "adapter_config.json").read_text())
+    for alpha in range(1, 200):
+        (path / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": alpha}))
+        check_adapter_file(LM, "ad", path)
+    assert len(sh.read_header(path / "adapter_model.safetensors").memo) <= sh.MEMO

@@ -345,3 +345,33 @@ def test_load_holds_the_bytes_the_copy_takes_within_the_budget(adapters):
     assert s.held_bytes == size, "load keeps the size, it does not reset it to 0"
     s.load("b", adapters["b"])
     assert s.held() == ["b"], "the budget holds through load: b's bytes push a out"
+
+
+class LateFailure(LoraAdapterStore):
+    """A store whose failed reads report late: the moment an operator fixes the file and registers again."""
+
+    late = threading.Event()
+
+    def read(self, *args, **kw):
+        try:
+            return super().read(*args, **kw)
+        except ValueError:
+            assert self.late.wait(timeout=60)
+            raise
+
+
+def test_registering_again_while_the_failing_read_is_in_flight_is_served(tmp_path):
+    _, path = make_adapter(tmp_path, name="x", seed=3)
+    weights = path / "adapter_model.safetensors"
+    original = weights.read_bytes()
+    LateFailure.late.clear()
+    m = manager(store_class=LateFailure)
+    m.register("x", path)
+    weights.write_bytes(original[:100])
+    m.step([], [Request(1, "x")])  # its read fails, but says so only once let go
+    weights.write_bytes(original)
+    m.register("x", path)
+    LateFailure.late.set()
+    m.wait_for_reads()
+    admitted, failed = serve(m, [Request(2, "x")])
+    assert admitted == [2] and not failed

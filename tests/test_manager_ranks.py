@@ -75,6 +75,7 @@ def run_rank(rank: int, world_size: int, rendezvous: str, paths: dict, out: str)
     if rank == 0:
         torch.save(everyone, out)
     m.close()
+    dist.barrier()  # no rank tears its group down while another still talks to it (a gloo abort at exit)
     dist.destroy_process_group()
 
 
@@ -121,6 +122,7 @@ def register_rank(rank: int, world_size: int, rendezvous: str, paths: dict, out:
     if rank == 0:
         torch.save(everyone, out)
     m.close()
+    dist.barrier()  # no rank tears its group down while another still talks to it (a gloo abort at exit)
     dist.destroy_process_group()
 
 

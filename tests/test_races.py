@@ -281,3 +281,84 @@ print("refused", refused)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.split()[-1]) > 0
+
+
+def test_alpha_tensors_rewritten_during_reads_serve_the_hashed_scalings_or_refuse(tmp_path):
+    """A trainer's file keeps each module's alpha in a tensor of its own: the scalings served must be those of
+    the alpha bytes that hashed to the digest, whichever path the read takes (the first, hashing every byte,
+    or a later one, checking fingerprints)."""
+    from safetensors.torch import load_file, save_file
+
+    _, path = make_adapter(tmp_path, r=8, target_modules=["q_proj", "v_proj"])
+    tensors = {k.removeprefix("base_model.model."): v for k, v in load_file(path / WEIGHTS).items()}
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in tensors})
+    file = tmp_path / "trainer.safetensors"
+
+    def write(alpha):
+        save_file({**tensors, **{f"{m}.alpha": torch.tensor(alpha if i % 2 else 16.0) for i, m in enumerate(modules)}},
+                  file)
+
+    write(4.0)
+    d1 = check_adapter_file(SPEC, "ad", file)
+    want = store().read("ad", file, d1)
+    write(32.0)
+    other = file.read_bytes()
+    write(4.0)
+    first = file.read_bytes()
+    shared, stop, outcomes, wrong = store(), threading.Event(), {"ok": 0, "refused": 0}, []
+
+    def writer():
+        rng = random.Random(3)
+        while not stop.is_set():
+            with open(file, "r+b") as f:  # same size, same header: only the alpha bytes differ
+                f.write(other if rng.random() < 0.5 else first)
+            time.sleep(rng.random() * 1e-3)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        for i in range(1500):
+            try:
+                got = (shared if i % 2 else store()).read("ad", file, d1)
+            except ValueError:
+                outcomes["refused"] += 1
+                continue
+            outcomes["ok"] += 1
+            if not same(got, want) or got.scaling != want.scaling:
+                wrong.append(got)
+    finally:
+        stop.set()
+        t.join()
+    assert not wrong, f"{len(wrong)} reads served other scalings under the digest ({outcomes})"
+    assert outcomes["ok"] and outcomes["refused"], f"the race was not run: {outcomes}"
+
+
+def test_a_read_of_a_huge_file_takes_no_more_memory_than_its_layout(tmp_path):
+    """A file far larger than what this node reads (a sparse 1 GB tensor no spec maps) is hashed through
+    bounded buffers: refused for its digest without holding the file in memory."""
+    import json
+    import struct
+
+    _, path = make_adapter(tmp_path, target_modules=["q_proj"])
+    digest = check_adapter_file(SPEC, "ad", path)
+    raw = (path / WEIGHTS).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    huge = 1 << 30
+    header["vision.blocks.0.qkv.lora_A.weight"] = {"dtype": "U8", "shape": [huge], "data_offsets": [end, end + huge]}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path / WEIGHTS, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+        f.truncate(8 + len(text) + end + huge)  # sparse: no disk, and reads as zeros
+    from pathlib import Path as P
+
+    def peak_kb():
+        return int(next(line for line in P("/proc/self/status").read_text().splitlines()
+                        if line.startswith("VmHWM")).split()[1])
+
+    before = peak_kb()
+    with pytest.raises(ValueError, match=r"adapter 'ad'.*the file changed since"):
+        store().read("ad", path, digest)
+    assert peak_kb() - before < 200_000, "the read held the file in memory"

@@ -49,6 +49,7 @@ def run_rank(rank: int, world_size: int, rendezvous: str, paths: dict[str, str],
     dist.all_gather_object(everyone, mine)
     if rank == 0:
         torch.save(everyone, out)
+    dist.barrier()  # no rank tears its group down while another still talks to it (a gloo abort at exit)
     dist.destroy_process_group()
 
 

@@ -38,6 +38,7 @@ def run_rank(rank, world_size, rendezvous, paths, digests, ids, out):
     dist.all_gather(everyone, logits)
     if rank == 0:
         torch.save(everyone, out)
+    dist.barrier()  # no rank tears its group down while another still talks to it (a gloo abort at exit)
     dist.destroy_process_group()
 
 

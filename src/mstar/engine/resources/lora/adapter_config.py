@@ -3,7 +3,6 @@ metadata): the rank and scaling it gives each module, and the options not served
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Mapping
@@ -43,9 +42,9 @@ class AdapterConfig:
     alpha_pattern: Mapping[str, float] = field(default_factory=dict)
     layers_to_transform: tuple[int, ...] | None = None
     source: str = "adapter_config.json"
-    target_modules: tuple[str, ...] | str | None = None  # names, or one regex; None: whatever the file holds
-    exclude_modules: tuple[str, ...] | str | None = None
-    target_parameters: tuple[str, ...] | None = None
+    target_modules: frozenset[str] | str | None = None  # names, or one regex; None: whatever the file holds
+    exclude_modules: frozenset[str] | str | None = None
+    target_parameters: frozenset[str] | None = None
 
     @property
     def scaling(self) -> float:
@@ -77,23 +76,27 @@ class AdapterConfig:
                                                            _names(self.target_parameters, module))
 
 
-def _names(names: tuple[str, ...] | str, module: str) -> bool:
+def _names(names: frozenset[str] | str, module: str) -> bool:
     if isinstance(names, str):
         return patterns.fullmatch(names, module)
-    return module in names or any(module.endswith(f".{n}") for n in names)
+    # PEFT: the name itself, or a dotted suffix of it, is listed
+    return module in names or any(module[i + 1 :] in names for i, ch in enumerate(module) if ch == ".")
 
 
 def _pattern_value(values: Mapping[str, float], module: str, default: float) -> float:
     # PEFT's rule: keys in the file's order, the first whose (.*\.)?(key)$ matches wins.
     if not values:
         return default
-    i = _keys(tuple(values)).first(module)
-    return default if i is None else list(values.values())[i]
+    keys = _KEYS.get(id(values))
+    if keys is None or keys[0] is not values:  # one PatternKeys per config's map, for as long as the map lives
+        if len(_KEYS) > 256:
+            _KEYS.clear()
+        keys = _KEYS[id(values)] = (values, patterns.PatternKeys(list(values)), list(values.values()))
+    i = keys[1].first(module)
+    return default if i is None else keys[2][i]
 
 
-@functools.lru_cache(maxsize=256)
-def _keys(keys: tuple[str, ...]) -> patterns.PatternKeys:
-    return patterns.PatternKeys(keys)
+_KEYS: dict[int, tuple[Mapping[str, float], patterns.PatternKeys, list[float]]] = {}
 
 
 def parse_config(raw: object, source: str = "adapter_config.json") -> AdapterConfig:
@@ -180,17 +183,20 @@ def _patterns(v: object, what: str, kind: type) -> dict:
         raise ValueError(f"{what} is not a map of module patterns")
     if len(v) > MAX_KEYS:
         raise ValueError(f"{what} has {len(v)} keys, over {MAX_KEYS}")
-    out = {}
+    out, states = {}, 0
     for key, value in v.items():
         try:
-            patterns.check_key(key)
+            states += patterns.check_key(key)
         except ValueError as e:
             raise ValueError(f"{what} key {_short(key)} cannot be matched: {e}") from None
+        if states > patterns.MAX_CONFIG_STATES:
+            raise ValueError(f"{what}'s keys that repeat or alternate unfold to more than {patterns.MAX_CONFIG_STATES} "
+                             "states together, past what the check matches")
         out[key] = _positive(value, f"{what}[{key!r}]", int) if kind is int else _number(value, f"{what}[{key!r}]")
     return out
 
 
-def _modules(v: object, what: str, regex: bool = True) -> tuple[str, ...] | str | None:
+def _modules(v: object, what: str, regex: bool = True) -> frozenset[str] | str | None:
     """target_modules and the like: a list of names (a set, saved), or one regex where regex."""
     if v is None:
         return None
@@ -204,7 +210,7 @@ def _modules(v: object, what: str, regex: bool = True) -> tuple[str, ...] | str 
         v = [v]
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v) or len(v) > MAX_KEYS:
         raise ValueError(f"{what} is not a list of module names")
-    return tuple(v)
+    return frozenset(v)
 
 
 def _short(text: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,7 +18,7 @@ from . import hub
 from .adapter_config import AdapterConfig, parse_config, read_config
 from .keys import PEFT_PREFIX, ConvertKeys, ModuleKeys, group_keys
 from .safetensors_header import FLOAT_DTYPES, Header, NotSafetensors, TensorEntry, read_header
-from .source import FileSource
+from .source import FileSource, Source, TensorSource
 from .spec import as_linear
 
 WEIGHTS = "adapter_model.safetensors"
@@ -117,6 +118,23 @@ class Checkpoint:
     def _keys(self) -> dict[int, str]:
         return {e.start: key for key, e in self.header.tensors.items()}
 
+    def alpha_entries(self, convert_keys: ConvertKeys) -> list[TensorEntry]:
+        """The alpha tensors whose values give modules their scalings."""
+        return list(self._alpha_entries(convert_keys).values())
+
+    def with_alphas(self, values: Mapping[int, bytes]) -> Checkpoint:
+        """This checkpoint with its alpha tensors' bytes as given (by their start): the scalings of bytes a
+        read hashed, not of whatever the file or the tensors hold a moment later."""
+        return dataclasses.replace(self, tensors=None, source=_Bytes(values, self.size))
+
+    @property
+    def data(self) -> Source:
+        """What a read of the weights reads from: the one open file, or the pushed tensors at the offsets
+        their header gives them."""
+        if self.tensors is None:
+            return self.source
+        return TensorSource(list(self.tensors.values()), [e.start for e in self.header.tensors.values()], self.size)
+
     @property
     def size(self) -> int:
         """The file's size when its header was read."""
@@ -164,14 +182,17 @@ class Checkpoint:
                 out[module] = 1.0
         return out
 
-    def _alphas(self, convert_keys: ConvertKeys) -> dict[str, float]:
-        """Each alpha tensor's value, read alone (the file is opened only where there are any)."""
+    def _alpha_entries(self, convert_keys: ConvertKeys) -> dict[str, TensorEntry]:
         key = ("alphas", convert_keys)
         if key not in self.header.memo:
             modules = self.modules(convert_keys).items()
             self.header.memo[key] = {m: keys.roles["alpha"] for m, keys in modules if "alpha" in keys.roles}
+        return self.header.memo[key]
+
+    def _alphas(self, convert_keys: ConvertKeys) -> dict[str, float]:
+        """Each alpha tensor's value, read alone (the file is read only where there are any)."""
         out: dict[str, float] = {}
-        for module, e in self.header.memo[key].items():
+        for module, e in self._alpha_entries(convert_keys).items():
             try:
                 out[module] = alpha_value(e, self.tensor)
             except ValueError as err:
@@ -197,7 +218,11 @@ def alpha_value(e: TensorEntry, read: Callable[[TensorEntry], torch.Tensor]) -> 
 def default_name(path: str | os.PathLike[str]) -> str:
     """A directory's name; a file's stem, or its directory's name for PEFT's adapter_model.safetensors."""
     p = Path(path)
-    if p.is_dir() or p.suffix != ".safetensors":
+    try:
+        is_dir = p.is_dir()
+    except OSError:  # a name too long to look up is no directory either
+        is_dir = False
+    if is_dir or p.suffix != ".safetensors":
         return p.name
     return p.parent.name if p.stem == "adapter_model" else p.stem
 
@@ -206,6 +231,8 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
     """The checkpoint at path with its header and config checked, its weights file held open so that every
     later read of it reads that one file; ValueError naming adapter and file. Close it when done (it is a
     context manager)."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise refusal(name or "?", repr(path), [f"its path is a {type(path).__name__}, not a str or os.PathLike"])
     name = name or default_name(path)
     try:
         weights, config_path = locate_files(hub.resolve(path))
@@ -259,3 +286,16 @@ def metadata_config(header: Header) -> AdapterConfig | None:
         raise ValueError(f"{DIFFUSERS_METADATA} in its metadata nests too deeply to be a LoRA config") from None
     except ValueError as e:
         raise ValueError(f"{DIFFUSERS_METADATA} in its metadata is not a LoRA config ({e})") from None
+
+
+class _Bytes:
+    """A few tensors' bytes by their start, read as a file would be (what with_alphas reads alphas from)."""
+
+    def __init__(self, values: Mapping[int, bytes], size: int) -> None:
+        self.values, self.size = values, size
+
+    def read(self, nbytes: int, at: int) -> bytes:
+        return self.values.get(at, b"")[:nbytes]
+
+    def close(self) -> None:
+        pass

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import blake3
-import torch
 
 from .checkpoint import Checkpoint
 from .keys import ConvertKeys
 from .safetensors_header import TensorEntry
-from .source import FileSource
+from .source import Source
 
 # Bumped whenever what the digest covers changes, so old and new digests never collide.
 DOMAIN = b"mstar-lora adapter digest v1\0"
@@ -22,16 +21,16 @@ HASH_ON_EVERY_CORE = blake3.blake3.AUTO
 
 
 def adapter_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, *, threads: int = HASH_ON_EVERY_CORE,
-                   snapshot: torch.Tensor | None = None) -> bytes:
+                   data: bytes | None = None) -> bytes:
     """The BLAKE3 digest of every module's name, role, dtype, shape and scaling, in name order, and of
     their bytes in that order.
 
     So it is the same on every node, rank and world size whatever the file's tensor order, and
-    changes with any served byte or scaling. The bytes are snapshot's where given (a read's copy of
-    every byte, laid out at the header's offsets), else read from the checkpoint's open file, never
-    mapped: a file cut meanwhile ends the hash with a refusal, not a SIGBUS.
+    changes with any served byte or scaling. The bytes' own digest is data where given (a read that
+    hashed them as they passed, hash_stream), else they are read from the checkpoint's open file or its
+    pushed tensors, never mapped: a file cut meanwhile ends the hash with a refusal, not a SIGBUS.
     """
-    data = data_digest(checkpoint, convert_keys, threads, snapshot)
+    data = data_digest(checkpoint, convert_keys, threads) if data is None else data
     head = manifest(checkpoint, convert_keys)
     return blake3.blake3(DOMAIN + len(head).to_bytes(8, "little") + head + data).digest()
 
@@ -49,41 +48,45 @@ def manifest(checkpoint: Checkpoint, convert_keys: ConvertKeys) -> bytes:
     return checkpoint.header.memo[key]
 
 
-def data_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, threads: int = HASH_ON_EVERY_CORE,
-                snapshot: torch.Tensor | None = None) -> bytes:
-    """The BLAKE3 of the tensors' bytes in name order. Runs that lie in the file in that order (all
-    of them, for a file safetensors wrote) are hashed as one range, on threads cores, GIL released;
-    pushed tensors without a snapshot are hashed one by one, from their own memory."""
+def hash_runs(checkpoint: Checkpoint, convert_keys: ConvertKeys) -> list[tuple[int, int]]:
+    """The byte ranges the data digest covers, in the order it covers them: every module's tensors in name
+    order, runs that lie in the file in that order (all of them, for a file safetensors wrote) merged."""
     key = ("hash order", convert_keys)
     if key not in checkpoint.header.memo:
         modules = sorted(checkpoint.modules(convert_keys).items())
         order = [e for _, keys in modules for _, e in sorted(keys.roles.items())]
-        checkpoint.header.memo[key] = order, list(_runs(order))
-    order, runs = checkpoint.header.memo[key]
-    h = blake3.blake3(max_threads=threads)
-    if snapshot is not None:
-        view = memoryview((ctypes.c_char * snapshot.numel()).from_address(snapshot.data_ptr())).cast("B")
-        for start, stop in runs:
-            h.update(view[start:stop])
-    elif checkpoint.tensors is not None:
-        for e in order:
-            _update(h, checkpoint.tensor(e))
-    else:
-        try:
-            _stream(checkpoint.source, runs, h)
-        except ValueError as e:
-            raise checkpoint.refusal([str(e)]) from None
-    return h.digest()
+        checkpoint.header.memo[key] = list(_runs(order))
+    return checkpoint.header.memo[key]
 
 
-CHUNK = 8 << 20  # a file is hashed through two buffers of this, one filling while the other is hashed
+def data_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, threads: int = HASH_ON_EVERY_CORE) -> bytes:
+    """The BLAKE3 of the tensors' bytes in name order, read from the checkpoint's file or pushed tensors in
+    chunks hashed on threads cores, GIL released."""
+    try:
+        return hash_stream(checkpoint.data, hash_runs(checkpoint, convert_keys), threads)
+    except ValueError as e:
+        raise checkpoint.refusal([str(e)]) from None
+
+
+Visit = Callable[[int, memoryview], None]
+
+# A source is hashed through two buffers of this, one filling while the other is hashed: small enough to
+# stay in cache between the copy and the hash (measured here: 2 MB hashes 2.3x faster than through a
+# mapping of the file, 8 MB 1.9x).
+CHUNK = 2 << 20
 _PREFETCH = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="mstar-lora-hash-read")
+_BUFFERS = threading.local()
 
 
-def _stream(source: FileSource, runs: list[tuple[int, int]], h: blake3.blake3) -> None:
-    """h fed the runs' bytes read from source, the next chunk read while this one is hashed."""
+def hash_stream(source: Source, runs: list[tuple[int, int]], threads: int = HASH_ON_EVERY_CORE,
+                visit: Visit | None = None) -> bytes:
+    """The BLAKE3 of the runs' bytes read from source, the next chunk read while this one is hashed; each
+    chunk is shown to visit(offset, bytes) first (a read lays its pieces out of the very bytes it hashes)."""
+    h = blake3.blake3(max_threads=threads)
     chunks = [(at, min(CHUNK, stop - at)) for start, stop in runs for at in range(start, stop, CHUNK)]
-    buffers = [bytearray(min(CHUNK, max((n for _, n in chunks), default=0))) for _ in range(2)]
+    if not hasattr(_BUFFERS, "pair"):  # each hashing thread's own, kept: a fresh one faults on every page
+        _BUFFERS.pair = (bytearray(CHUNK), bytearray(CHUNK))
+    buffers = _BUFFERS.pair
 
     def fill(i: int) -> memoryview:
         at, n = chunks[i]
@@ -96,17 +99,13 @@ def _stream(source: FileSource, runs: list[tuple[int, int]], h: blake3.blake3) -
         for i in range(len(chunks)):
             view = pending.result()
             pending = _PREFETCH.submit(fill, i + 1) if i + 1 < len(chunks) else None
+            if visit is not None:
+                visit(chunks[i][0], view)
             h.update(view)
     finally:  # no read may still be filling a buffer once this returns
         if pending is not None:
             pending.exception()
-
-
-def _update(h: blake3.blake3, t: torch.Tensor) -> None:
-    """h fed t's bytes as a file holds them: straight from its memory where it is a contiguous CPU tensor."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        t = t.contiguous().cpu()
-    h.update(memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B"))
+    return h.digest()
 
 
 def _runs(tensors: list[TensorEntry]) -> Iterator[tuple[int, int]]:

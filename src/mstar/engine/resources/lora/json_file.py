@@ -60,5 +60,7 @@ def parse_json(data: bytes | str, *, object_pairs_hook: Callable[[list[tuple[str
         raise ValueError(f"not UTF-8 text ({e})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e})") from None
+    except ValueError as e:  # an integer of thousands of digits, past Python's limit for reading one
+        raise ValueError(f"not JSON this pool reads ({e})") from None
     except RecursionError:
         raise ValueError("nested too deeply to read as JSON") from None

@@ -9,6 +9,7 @@ slab's row is one block, so a target moves in one copy.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,14 +36,19 @@ class TargetLayout:
     shard: Shard
     dtype: torch.dtype
 
-    @property
+    @cached_property
     def a_shape(self) -> tuple[int, int, int]:
         c0, c1 = self.shard.columns
         return (self.target.layers, self.target.slices * self.max_rank, c1 - c0)
 
-    @property
+    @cached_property
     def b_shape(self) -> tuple[int, int, int]:
-        return (self.target.layers, sum(self.shard.widths()), self.max_rank)
+        return (self.target.layers, sum(self.widths), self.max_rank)
+
+    @cached_property
+    def widths(self) -> tuple[int, ...]:
+        """Each slice's rows on this rank."""
+        return self.shard.widths()
 
     @cached_property
     def b_offset(self) -> int:
@@ -70,13 +76,12 @@ class TargetLayout:
 
     @cached_property
     def _b_starts(self) -> tuple[int, ...]:
-        widths = self.shard.widths()
-        return tuple(sum(widths[:s]) for s in range(len(widths)))
+        return tuple(itertools.accumulate(self.widths, initial=0))[:-1]
 
     def b_rows(self, s: int) -> slice:
         """Slice s's rows of b[layer]: this rank's rows of each slice, packed in slice order."""
         start = self._b_starts[s]
-        return slice(start, start + self.shard.widths()[s])
+        return slice(start, start + self.widths[s])
 
     def split(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views a and b of a block whose last dimension is numel (a slab's leading slot dim is kept)."""

@@ -23,16 +23,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import hub
-from .check import check_checkpoint
-from .checkpoint import Checkpoint, open_checkpoint, refusal
-from .memory import tensor_checkpoint
 from .models import specs_from_config
-from .plan import host_bytes
 from .pool import LoraDevicePool
-from .ranks import FAILED, MISSING, READY, agree, gather_reasons, same_everywhere
+from .ranks import FAILED, MISSING, READY, gather_reasons
+from .ranks import agree as agree_states
 from .registry import Registry, Version
 from .store import LoraAdapterStore
+from .versions import agree, check_path, check_pushed
 
 
 class Request(NamedTuple):
@@ -85,6 +82,7 @@ class Entry:
     version: Version
     reading: Future[None] | None = None
     error: ValueError | None = None
+    registered: int = 0  # how many times it was registered: a read started before the last tells nothing
 
 
 class LoraManager:
@@ -138,78 +136,27 @@ class LoraManager:
         digest; running ones keep theirs. Registering a name again with other weights is a reload;
         registering a failed name again retries it. With a process group, a rank that cannot check it
         makes it refused on every rank."""
-        return self._register_agreed({name: self._check_path(name, path)})[name]
+        return self._register_all(agree({name: check_path(self.stores, name, path)}, self.group))[name]
 
     def push(self, name: str, tensors: Mapping[str, torch.Tensor], config: Any = None) -> Version:
         """register for weights in memory (a trainer's new LoRA weights, say): checked, digested as the
         same weights saved as a file would be, and served as a new version of name, never half-visible.
         The tensors are read, never written; the manager keeps them to read again after an eviction,
         and refuses them if they change meanwhile (push again instead)."""
-        def check() -> Version:
-            ckpt = tensor_checkpoint(name, tensors, config)
-            digest = check_checkpoint(self._specs[0], ckpt, self._specs[1:])
-            return self._fits(Version(name, None, digest, dict(tensors), config, self._sizes(ckpt)))
-
-        return self._register_agreed({name: _attempt(name, check)})[name]
+        return self._register_all(agree({name: check_pushed(self.stores, name, tensors, config)}, self.group))[name]
 
     def register_all(self, adapters: Mapping[str, str | os.PathLike[str]]) -> dict[str, Version]:
         """The serving config at startup: every adapter checked (on every core), raising naming every
         one that cannot be served, on any rank, before any is registered. A Hub id is resolved once, and
         the commit it names is the one checked and read."""
         with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="mstar-lora-check") as pool:
-            checked = dict(zip(adapters, pool.map(lambda kv: self._check_path(*kv, hash_threads=1), adapters.items()),
-                               strict=True))
-        return self._register_agreed(checked)
+            checked = pool.map(lambda kv: check_path(self.stores, *kv, hash_threads=1), adapters.items())
+            return self._register_all(agree(dict(zip(adapters, checked, strict=True)), self.group))
 
-    @property
-    def _specs(self) -> list:
-        return [s.spec for s in self.stores.values()]
-
-    def _check_path(self, name: str, path: str | os.PathLike[str], hash_threads: int | None = None) -> Version | str:
-        """name's version at path, checked from one open checkpoint (digest and sizes alike), or why not."""
-        def check() -> Version:
-            try:
-                resolved = hub.resolve(path)
-            except ValueError as e:
-                raise refusal(name, path, [str(e)]) from None
-            with open_checkpoint(resolved, name) as ckpt:
-                kw = {} if hash_threads is None else {"hash_threads": hash_threads}
-                digest = check_checkpoint(self._specs[0], ckpt, self._specs[1:], **kw)
-                return self._fits(Version(name, resolved, digest, nbytes=self._sizes(ckpt)))
-
-        return _attempt(name, check)
-
-    def _sizes(self, ckpt: Checkpoint) -> dict[str, int]:
-        return {n: host_bytes(ckpt, s.layout) for n, s in self.stores.items()}
-
-    def _fits(self, v: Version) -> Version:
-        """v, if its copy fits each node's host budget on its own: one that never could would wait forever."""
-        for n, s in self.stores.items():
-            if s.max_bytes is not None and v.nbytes[n] > s.max_bytes:
-                raise refusal(v.name, v.path or "<pushed tensors>", [
-                    f"its copy takes {v.nbytes[n]} host bytes for {n}, over the host budget of {s.max_bytes}"])
-        return v
-
-    def _register_agreed(self, checked: Mapping[str, Version | str]) -> dict[str, Version]:
-        """Register every checked version once every rank has checked it alike; else raise on every rank,
-        naming each adapter that failed on some rank, or whose ranks read different weights."""
-        mine = {n: v.digest if isinstance(v, Version) else v for n, v in checked.items()}
-        everyone = same_everywhere(mine, self.group)
-        failures = []
-        for name in checked:
-            seen = [theirs.get(name) for theirs in everyone]
-            why = next((w for w in seen if isinstance(w, str)), None)
-            if why is not None:
-                failures.append(why)
-            elif len(set(seen)) != 1:
-                failures.append(f"adapter {name!r} ({checked[name].path}): the ranks read different weights there "
-                                f"(digests {', '.join(d.hex()[:16] if d else 'none' for d in seen)})")
-        if failures:
-            count = f"{len(failures)} of {len(checked)} adapters cannot" if len(checked) > 1 else "it cannot"
-            raise ValueError(failures[0] if len(checked) == 1 else f"{count} be served:\n" + "\n".join(failures))
-        for v in checked.values():
+    def _register_all(self, versions: dict[str, Version]) -> dict[str, Version]:
+        for v in versions.values():
             self._register(v)
-        return dict(checked)
+        return versions
 
     def _register(self, version: Version) -> None:
         with self._lock:
@@ -218,7 +165,10 @@ class LoraManager:
                 self._entries[version.key] = Entry(version)
             else:  # the same weights again: a failed read is tried anew, with the version as given now
                 entry.version, entry.error = version, None
-        self.registry.register(version)
+                entry.registered += 1
+            # under the lock a step's collection takes: the entry is never collected as stale before its
+            # version is current (a reload registered from another thread than the step's was never read)
+            self.registry.register(version)
 
     def unregister(self, name: str) -> None:
         """No new request gets name; its memory is freed once no running request uses it."""
@@ -330,11 +280,12 @@ class LoraManager:
             self._counters.evictions += before + new[0] - len(store)
             entry = self._entries.get(v.key)
             if entry is not None and entry.reading is None and entry.error is None and not self._in(v):
-                entry.reading = self._workers.submit(self._read, entry)
+                entry.reading = self._workers.submit(self._read, entry, entry.registered)
 
-    def _read(self, entry: Entry) -> None:
+    def _read(self, entry: Entry, registered: int) -> None:
         """entry's version read for every node and put, or its failure recorded: on a worker, outside every
-        lock but for the put."""
+        lock but for the put. A failure is not recorded if the version was registered again meanwhile (the
+        file fixed, say): the next hold reads it anew."""
         v, start = entry.version, time.perf_counter()
         copies: dict[str, Any] | None = {}
         try:
@@ -350,8 +301,9 @@ class LoraManager:
         with self._lock:
             entry.reading = None
             if error is not None:
-                entry.error = error
                 self._counters.read_failures += 1
+                if entry.registered == registered:
+                    entry.error = error
                 return
             for n, s in self.stores.items():
                 s.put(dataclasses.replace(copies[n], name=v.key))
@@ -369,7 +321,7 @@ class LoraManager:
         with self._lock:
             failures = {v.key: e.error for v in versions if (e := self._entries.get(v.key)) and e.error is not None}
         mine = [FAILED if v.key in failures else READY if self._in(v) else MISSING for v in versions]
-        states = dict(zip((v.key for v in versions), agree(mine, self.group), strict=True))
+        states = dict(zip((v.key for v in versions), agree_states(mine, self.group), strict=True))
         failed = [v for v in versions if states[v.key] == FAILED]
         errors: dict[str, ValueError] = {}
         if failed:
@@ -463,13 +415,3 @@ class LoraManager:
         at interpreter exit can abort the process)."""
         self._workers.shutdown(wait=True)
         self.group = None
-
-
-def _attempt(name: str, check: Any) -> Any:
-    """check()'s result, or why it failed: what a rank brings to a collective whatever happened to it."""
-    try:
-        return check()
-    except ValueError as e:
-        return str(e)
-    except Exception as e:  # a rank that raised anything else must still make the collective
-        return f"adapter {name!r}: its check failed ({e!r})"

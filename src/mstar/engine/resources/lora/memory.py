@@ -82,8 +82,8 @@ def _header(listing: tuple[tuple[str, str, tuple[int, ...]], ...]) -> Header:
     for key, dtype, shape in listing:
         n = DTYPES[dtype].itemsize * math.prod(shape)
         entries[key] = TensorEntry(dtype, shape, at, at + n)
-        at += -(-n // 16) * 16
-    return Header(entries, {}, 0, at)
+        at += max(-(-n // 16) * 16, 16)  # an empty tensor too has a start of its own
+    return Header(entries, {}, 0, at, identity=listing)
 
 
 def _config(config: Any) -> AdapterConfig | None:

@@ -3,9 +3,12 @@
 rank_pattern and alpha_pattern keys are regexes PEFT tries in order, `re.match(rf"(.*\\.)?({key})$",
 name)`, the first that matches winning; target_modules and exclude_modules given as one string are
 `re.fullmatch`ed. Python's re backtracks, so a key like `(.|.)*#` takes 2^31 steps on one module name:
-a config is a file anyone may hand the startup check. So a pattern that repeats anything is matched
-as a set of states (Thompson's construction over re's own parse), which answers the same question
-in steps linear in the name; one that repeats nothing is left to re, which cannot blow up on it.
+a config is a file anyone may hand the startup check, and alternatives alone backtrack as badly
+(`(\\w|[^#]|.)` two dozen times, then `#`). So a pattern that repeats or alternates is matched as a set
+of states (Thompson's construction over re's own parse), stepped a character at a time with the step
+cached per set of states (a lazy DFA), which answers the same question in steps linear in the name;
+one with neither is left to re, which cannot blow up on it. A config's patterns together may unfold
+to at most MAX_CONFIG_STATES states, which bounds what its matching can cost.
 Keys made of names alone (letters, digits, _ and -, dots matching any character as in PEFT) are
 found through an index, so a pattern per module (a rank_pattern AdaLoRA wrote) costs a few lookups
 per module rather than one match per key.
@@ -25,7 +28,8 @@ except ImportError:  # Python 3.10
     import sre_parse
 
 MAX_PATTERN = 1024  # characters in one pattern
-MAX_STATES = 20_000  # states a pattern may unfold to (x{100}{100} unfolds to 10,000)
+MAX_STATES = 4096  # states a pattern may unfold to (x{64}{64} unfolds to 4,096)
+MAX_CONFIG_STATES = 16_384  # states all of one config's patterns may unfold to
 _PLAIN = re.compile(r"[A-Za-z0-9_.\-]+")
 _WORD = re.compile(r"\w")
 _CATEGORIES = {
@@ -35,19 +39,22 @@ _CATEGORIES = {
 }
 
 
-def check_pattern(text: str) -> None:
-    """Raise ValueError saying why a target_modules or exclude_modules regex cannot be matched here: not
-    a regex, too long, or using what a set of states cannot follow (back references, lookarounds)."""
+def check_pattern(text: str) -> int:
+    """The states a target_modules or exclude_modules regex unfolds to (0 for one re matches alone); a
+    ValueError saying why it cannot be matched here: not a regex, too long, or using what a set of states
+    cannot follow (back references, lookarounds)."""
     if len(text) > MAX_PATTERN:
         raise ValueError(f"a pattern of {len(text)} characters, over {MAX_PATTERN}")
-    _compiled(text, text)
+    nfa = _compiled(text, text)[1]
+    return 0 if nfa is None else len(nfa.states)
 
 
-def check_key(key: str) -> None:
+def check_key(key: str) -> int:
     """check_pattern for a rank_pattern / alpha_pattern key, as PEFT's rule wraps it."""
     if len(key) > MAX_PATTERN:
         raise ValueError(f"a pattern of {len(key)} characters, over {MAX_PATTERN}")
-    _compiled(_peft(key), key)
+    nfa = _compiled(_peft(key), key)[1]
+    return 0 if nfa is None else len(nfa.states)
 
 
 def fullmatch(pattern: str, name: str) -> bool:
@@ -70,17 +77,40 @@ class PatternKeys:
 
     def __init__(self, keys: Sequence[str]) -> None:
         self.keys = list(keys)
+        self._found: dict[str, int | None] = {}  # a model's modules are asked for again and again
+        self._words: dict[str, int] = {}  # a key without dots -> its first index: it can only be the last word
         self._plain: dict[int, dict[tuple[int, ...], dict[str, int]]] = {}  # length -> dots -> key -> first index
         self._other: list[int] = []
         for i, key in enumerate(self.keys):
-            if _PLAIN.fullmatch(key):
+            if _PLAIN.fullmatch(key) and "." not in key:
+                self._words.setdefault(key, i)
+            elif _PLAIN.fullmatch(key):
                 dots = tuple(j for j, ch in enumerate(key) if ch == ".")
                 self._plain.setdefault(len(key), {}).setdefault(dots, {}).setdefault(key, i)
             else:
                 self._other.append(i)
 
     def first(self, name: str) -> int | None:
+        if name not in self._found:
+            if len(self._found) > 1 << 17:
+                self._found.clear()
+            self._found[name] = self._first(name)
+        return self._found[name]
+
+    def _first(self, name: str) -> int | None:
         best = None
+        if self._words and "\n" not in name:
+            best = self._words.get(name.rpartition(".")[2])
+        if self._plain:
+            best = self._first_plain(name, best)
+        for i in self._other:
+            if best is not None and i > best:
+                break
+            if peft_match(self.keys[i], name):
+                return i
+        return best
+
+    def _first_plain(self, name: str, best: int | None) -> int | None:
         line = name.find("\n") % (len(name) + 1)  # the wrapping's .* stops at a newline
         starts = [0] + [j + 1 for j, ch in enumerate(name[:line]) if ch == "."]
         for start in starts:  # (.*\.)?key$: the key is a suffix that starts the name or follows a dot
@@ -94,11 +124,6 @@ class PatternKeys:
                 i = found.get(masked)
                 if i is not None and (best is None or i < best):
                     best = i
-        for i in self._other:
-            if best is not None and i > best:
-                break
-            if peft_match(self.keys[i], name):
-                return i
         return best
 
 
@@ -110,33 +135,32 @@ def _matches(pattern: str, own: str, name: str, full: bool) -> bool:
     return nfa.match(name, full)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=256)  # at most MAX_STATES states each
 def _compiled(pattern: str, own: str) -> tuple[re.Pattern[str], _Nfa | None]:
     """pattern as re compiles it, and as a set of states where own (the part a config wrote: a key inside
-    PEFT's wrapping, which repeats only what cannot blow up) repeats anything."""
+    PEFT's wrapping, which repeats only what cannot blow up) repeats or alternates."""
     try:
         regex = re.compile(pattern)
         tree = sre_parse.parse(pattern)
         if tree.state.flags & ~(C.SRE_FLAG_UNICODE | C.SRE_FLAG_VERBOSE):
             raise ValueError("it sets flags, which are not matched here")
         try:
-            plain = own != pattern and not _repeats(sre_parse.parse(own))
+            plain = own != pattern and not _backtracks(sre_parse.parse(own))
         except re.error:  # a key that is no regex alone (an unbalanced group) is matched as wrapped
             plain = False
-        return regex, (None if plain or not _repeats(tree) else _Nfa(tree))
+        return regex, (None if plain or not _backtracks(tree) else _Nfa(tree))
     except re.error as e:
         raise ValueError(f"not a valid pattern ({e})") from None
     except (RecursionError, OverflowError):
         raise ValueError("a pattern that nests too deeply") from None
 
 
-def _repeats(items) -> bool:
+def _backtracks(items) -> bool:
+    """Whether re could try more than one way through items: anything repeated, or alternatives."""
     for op, av in items:
-        if op in (C.MAX_REPEAT, C.MIN_REPEAT):
+        if op in (C.MAX_REPEAT, C.MIN_REPEAT, C.BRANCH):
             return True
-        if op is C.SUBPATTERN and _repeats(av[3]):
-            return True
-        if op is C.BRANCH and any(_repeats(alt) for alt in av[1]):
+        if op is C.SUBPATTERN and _backtracks(av[3]):
             return True
     return False
 
@@ -147,6 +171,8 @@ class _Nfa:
     def __init__(self, tree) -> None:
         self.states: list[list] = [["match"]]
         self.start = self._build(list(tree), 0)
+        self._steps: dict[tuple[frozenset[int], str], frozenset[int]] = {}
+        self._closures: dict[tuple[frozenset[int], tuple], frozenset[int]] = {}
 
     def _add(self, *state) -> int:
         if len(self.states) >= MAX_STATES:
@@ -196,18 +222,38 @@ class _Nfa:
         raise ValueError(f"a pattern using {str(av if op is C.AT else op).lower()} is not matched here")
 
     def match(self, name: str, full: bool) -> bool:
-        states = self.states
-        current = self._closure({self.start}, name, 0)
+        current = self._closure(frozenset({self.start}), name, 0)
         for pos, ch in enumerate(name):
             if not full and 0 in current:
                 return True
-            step = {states[s][2] for s in current if states[s][0] == "char" and states[s][1](ch)}
+            key = (current, ch)
+            step = self._steps.get(key)
+            if step is None:
+                states = self.states
+                step = frozenset(states[s][2] for s in current if states[s][0] == "char" and states[s][1](ch))
+                if len(self._steps) > 1 << 16:
+                    self._steps.clear()
+                self._steps[key] = step
             if not step:
                 return False
             current = self._closure(step, name, pos + 1)
         return 0 in current
 
-    def _closure(self, start: set[int], name: str, pos: int) -> set[int]:
+    def _closure(self, start: frozenset[int], name: str, pos: int) -> frozenset[int]:
+        # What the assertions see: the start, the end (or before a final newline), and whether the
+        # characters either side are word characters. The closure follows from these and the set alone.
+        where = (pos == 0, pos == len(name), pos == len(name) - 1 and name[-1:] == "\n",
+                 _word(name, pos - 1), _word(name, pos))
+        key = (start, where)
+        found = self._closures.get(key)
+        if found is None:
+            found = frozenset(self._close(start, name, pos))
+            if len(self._closures) > 1 << 16:
+                self._closures.clear()
+            self._closures[key] = found
+        return found
+
+    def _close(self, start: frozenset[int], name: str, pos: int) -> set[int]:
         seen, todo = set(), list(start)
         while todo:
             s = todo.pop()

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -86,9 +89,12 @@ Run = tuple[int, tuple[tuple[int, int], ...]]  # one preadv: file offset, ((dest
 Batch = tuple[Run, ...]  # runs read one after another by one thread
 
 
-class Plan(NamedTuple):
-    """How one header's adapter is copied into one layout: the same for every file with that header."""
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """How one header's adapter is copied into one layout: the same for every file with that header, and
+    all a read needs to know, so that it follows the plan over any source without asking the checkpoint."""
 
+    layout: SlotLayout
     targets: tuple[str, ...]  # in buffer order
     nbytes: int  # the buffer's: the blocks, from skew on
     skew: int
@@ -105,6 +111,7 @@ class Plan(NamedTuple):
     stacked: tuple[Stacked, ...] = ()  # every expert's factors in one pair, copied a layer at a time
     owners: tuple[tuple[str, str, bool], ...] = ()  # (module, its target, whether it is in the store's dtype)
     whole: tuple[tuple[TensorEntry, int], ...] = ()  # tensors staged whole (mapped pieces', stacked ones'), and where
+    _folds: dict = field(default_factory=dict, repr=False)
 
     def staged_at(self) -> dict[int, int]:
         """Where each tensor staged whole lies in the staging buffer, by its start in the file."""
@@ -114,6 +121,75 @@ class Plan(NamedTuple):
         """The staged reads copied piece by piece: all but the B of dense targets."""
         dense = {d.target for d in self.dense}
         return [r for r in self.staged if r.piece.role == "A" or r.piece.target not in dense]
+
+    def runs(self) -> list[tuple[int, int]]:
+        """Every read's (file offset, bytes), direct ones then staged, in the order the batches hold them:
+        what a fingerprint covers."""
+        return [(at, sum(n for _, n in parts)) for b in (*self.batches, *self.staged_batches) for at, parts in b]
+
+    @cached_property
+    def ranks(self) -> dict[str, torch.Tensor]:
+        """target -> [layers, slices] int32: each served module's real rank (0 where there is none), which
+        the device pool keeps beside its slot so the kernels multiply ranks, not max_rank. Read-only:
+        adapters of one recipe share it."""
+        R = self.layout.spec.max_rank
+        out = {n: torch.zeros(self.layout.targets[n].target.layers, self.layout.targets[n].target.slices,
+                              dtype=torch.int32) for n in self.targets}
+        for piece in [r.piece for r in (*self.direct, *self.staged)] + list(self.mapped):
+            if piece.role == "A":  # rows s*R : s*R + r of a[layer]
+                out[piece.target][piece.layer, piece.to_rows[0] // R] = piece.to_rows[1] - piece.to_rows[0]
+        for st in self.stacked:  # every expert's slices at the module's rank
+            out[st.target][st.layer] = st.rank(self.layout.spec.targets[st.target])
+        return out
+
+    def folds(self, scalings: Mapping[str, float]) -> Folds:
+        """How these modules' scalings go into the slots: once per distinct set of them."""
+        key = tuple(scalings[m] for m in self.modules)
+        if key not in self._folds:
+            if len(self._folds) > 64:
+                self._folds.clear()
+            self._folds[key] = _folds(self, scalings)
+        return self._folds[key]
+
+
+class Folds(NamedTuple):
+    """The slots' scaling, and each module's own scaling as a ratio to it, folded into B in float32 before
+    the cast: per module, or over a target's whole b where every module of it has one ratio and was
+    copied exactly."""
+
+    scaling: float
+    ratios: dict[str, float]
+    whole: dict[str, float]
+
+
+def node_scaling(scalings: Mapping[str, float], modules: Iterable[str]) -> float:
+    """The scaling a node's slots take: the one most of the modules it serves share (the smaller where
+    two are as common), never 0 while one is not; the rest fold into their B. It follows from the
+    modules' scalings alone, which the digest covers, so one digest is always one layout. An expert
+    node of an adapter whose experts have a rank of their own thus folds nothing."""
+    counts = Counter(scalings[m] for m in modules)
+    nonzero = {s: n for s, n in counts.items() if s}
+    if not nonzero:
+        return 0.0 if counts else 1.0  # every module serves nothing, or there are none
+    return max(nonzero, key=lambda s: (nonzero[s], -s))
+
+
+def _folds(p: Plan, scalings: Mapping[str, float]) -> Folds:
+    scaling = node_scaling(scalings, p.modules)
+    ratios = {m: scalings[m] / scaling for m in p.modules if scalings[m] != scaling}
+    # Targets whose every module has one ratio and was copied exactly (in the store's dtype) fold their
+    # whole b in place at once: a Qwen3-MoE adapter's experts at a rank of their own, 55,000 folds become one.
+    seen: dict[str, set[tuple[float, bool]]] = {}
+    for module, target, exact in p.owners:
+        seen.setdefault(target, set()).add((ratios.get(module, 1.0), exact))
+    whole = {}
+    for target, kinds in seen.items():
+        if len(kinds) == 1:
+            ((ratio, exact),) = kinds
+            if exact and ratio != 1.0:
+                whole[target] = ratio
+    ratios = {m: r for m, t, _ in p.owners if (r := ratios.get(m)) is not None and t not in whole}
+    return Folds(scaling, ratios, whole)
 
 
 def plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
@@ -164,7 +240,7 @@ def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
     ranks = [as_linear(A.shape)[0] for _, _, A, _ in placed_alone] + [st.rank(spec.targets[st.target])
                                                                      for st in stacked]
     whole_reads = [Read(e.start, e.nbytes, at, None) for e, at in whole_at]
-    return Plan(targets, SKEW + layout.nbytes(targets), _skew(direct, item), tuple(direct), tuple(staged),
+    return Plan(layout, targets, SKEW + layout.nbytes(targets), _skew(direct, item), tuple(direct), tuple(staged),
                 tuple(dense), tuple(mapped), _batches(direct), _batches([*staged, *whole_reads]), staging, partial,
                 max(ranks, default=0), tuple(module for module, _, _, _ in placed), tuple(stacked),
                 tuple((m, loc.target, A.torch_dtype == layout.dtype) for m, loc, A, _ in placed), tuple(whole_at))

@@ -1,28 +1,32 @@
-"""An adapter's file copied into this rank's slot layout, as plan.py says.
+"""An adapter copied into this rank's slot layout from any source, as its plan says.
 
-The reads (preadv, many tensors a call, no page faults on the file) are shared in batches by this
-thread and the reader threads; two threads copy out of the page cache about 1.15x faster than one
-here, and the copies from the file's mapping go on beside them.
+The reads (preadv from a file, many tensors a call, no page faults on it; a copy from pushed tensors or
+a snapshot) are shared in batches by this thread and the reader threads; two threads copy out of the
+page cache about 1.15x faster than one here. Where fingerprints are given, each run is fingerprinted
+where it landed before anything is laid out from it. Then the staged bytes move into their places:
+padded, cut to a shard, cast, and scaled where a module's own scaling folds into its B.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import math
 import os
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
-from .checkpoint import Checkpoint
+from . import fingerprint
 from .experts import stacked_widths
 from .host_memory import HostBuffers
 from .layout import SlotLayout
-from .plan import BATCH_BYTES, Batch, Piece, Plan, Read, Stacked, plan
+from .plan import Batch, Folds, Piece, Plan, Read, Stacked
 from .safetensors_header import TensorEntry
-from .source import FileSource
+from .source import Source
 from .spec import as_linear
 
 READ_THREADS = min(4, os.cpu_count() or 1)
@@ -31,36 +35,85 @@ _READERS = ThreadPoolExecutor(max(READ_THREADS - 1, 1), thread_name_prefix="msta
 Views = dict[str, tuple[torch.Tensor, torch.Tensor]]  # target -> (a, b)
 
 
-def read_layout(ckpt: Checkpoint, layout: SlotLayout, buffers: HostBuffers, staging: HostBuffers,
-                snapshot: torch.Tensor | None = None) -> tuple[int, float, dict[str, torch.Tensor]]:
-    """(largest rank served, the slots' scaling, each target's block) for this rank, in one host buffer of
-    the layout's size: copied out of snapshot (every byte of the checkpoint, as snapshot() takes it) or the
-    pushed tensors where there are they, else read from the checkpoint's open file.
+class Landing(NamedTuple):
+    """Where a read's bytes land: the buffer's blocks (and their a / b views) and the staging buffer."""
 
-    A fresh buffer comes zeroed from the kernel, so padding and untouched layers cost nothing; a
-    reused one is zeroed only where the pieces leave it. staging lends the buffer staged bytes pass
-    through, which is unviewed again once this returns.
-    """
-    p = plan(ckpt, layout)
-    scalings = ckpt.scalings(layout.spec.convert_keys)
-    scaling = node_scaling(scalings, p.modules)
-    ratios = {m: scalings[m] / scaling for m in p.modules if scalings[m] != scaling}
-    whole = _whole_folds(p, ratios)
-    ratios = {m: r for m, t, _ in p.owners if (r := ratios.get(m)) is not None and t not in whole}
+    blocks: dict[str, torch.Tensor]
+    views: Views
+    memory: tuple[torch.Tensor, torch.Tensor]  # the blocks' bytes (from the skew on), the staging buffer
+
+
+def read_layout(p: Plan, folds: Folds, source: Source, buffers: HostBuffers, staging: HostBuffers,
+                expected: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+    """Each target's block for this rank, in one host buffer of the layout's size, read from source. With
+    expected (the fingerprints of p.runs()), a run that lands other than it was is a ValueError."""
+    landing = land(p, buffers, staging)
+    if not source.unchanged():
+        raise ValueError("the file changed size since its header was read")
+    read(source, [(landing.memory[0], p.batches), (landing.memory[1], p.staged_batches)], expected)
+    return lay_out(p, landing, folds)
+
+
+def land(p: Plan, buffers: HostBuffers, staging: HostBuffers) -> Landing:
+    """The buffers a read of p fills: a fresh one comes zeroed from the kernel, so padding and untouched
+    layers cost nothing; a reused one is zeroed only where the pieces leave it. staging lends the buffer
+    staged bytes pass through, which is unviewed again once the read is done."""
+    layout = p.layout
     buf, fresh = buffers.take(p.nbytes)
     blocks = layout.carve(buf[p.skew :], p.targets)
     views = {name: layout.targets[name].split(block) for name, block in blocks.items()}
     if not fresh:
         _zero_padding(p, blocks, views, layout.spec.max_rank)
-    if snapshot is not None or ckpt.tensors is not None:
-        tensor_of = ckpt.tensor if snapshot is None else lambda e: typed(snapshot, e.start, e)
-        for st in p.stacked:
-            _copy_stacked(layout, views, st, tensor_of(st.A), tensor_of(st.B), ratios.get(st.module, 1.0))
-        _copy_memory(tensor_of, p, buf[p.skew :], views, ratios)
-        _fold_whole(views, whole)
-        return p.rank, scaling, blocks
-    stage = staging.take(p.staging)[0] if p.staging else torch.empty(0, dtype=torch.uint8)
-    _read(ckpt, [(buf[p.skew :], p.batches), (stage, p.staged_batches)])
+    stage = staging.take(p.staging, exact=False)[0] if p.staging else torch.empty(0, dtype=torch.uint8)
+    return Landing(blocks, views, (buf[p.skew :], stage))
+
+
+class Scatter:
+    """Byte ranges of a source (start, length) and the memory each goes to: visit(offset, chunk) copies what
+    of them a chunk of the source holds, so that a read can lay out the very bytes it hashes as they pass."""
+
+    def __init__(self, ranges: Sequence[tuple[int, int, memoryview]]) -> None:
+        self.ranges = sorted(ranges, key=lambda r: r[0])
+        self.starts = [r[0] for r in self.ranges]
+        self.longest = max((r[1] for r in self.ranges), default=0)
+
+    def __call__(self, at: int, chunk: memoryview) -> None:
+        end = at + len(chunk)
+        i = bisect.bisect_left(self.starts, at - self.longest)
+        while i < len(self.ranges) and self.starts[i] < end:
+            start, n, dst = self.ranges[i]
+            lo, hi = max(start, at), min(start + n, end)
+            if lo < hi:
+                dst[lo - start : hi - start] = chunk[lo - at : hi - at]
+            i += 1
+
+
+def landing_ranges(p: Plan, landing: Landing) -> list[tuple[int, int, memoryview]]:
+    """Every piece p reads, as (its offset in the source, its length, where it lands)."""
+    out = []
+    for memory, batches in zip(landing.memory, (p.batches, p.staged_batches), strict=True):
+        view = _bytes(memory)
+        for b in batches:
+            for at, parts in b:
+                for to, n in parts:
+                    out.append((at, n, view[to : to + n]))
+                    at += n
+    return out
+
+
+def fingerprints(p: Plan, landing: Landing) -> tuple[int, ...]:
+    """Each run of p's fingerprint, from where it landed (before anything is laid out from it)."""
+    out = []
+    for memory, batches in zip(landing.memory, (p.batches, p.staged_batches), strict=True):
+        view = _bytes(memory)
+        out += [fingerprint.of_parts([view[to : to + n] for to, n in parts]) for b in batches for _, parts in b]
+    return tuple(out)
+
+
+def lay_out(p: Plan, landing: Landing, folds: Folds) -> dict[str, torch.Tensor]:
+    """The staged bytes moved into their places (padded to max_rank, cut to a shard, cast, stacked experts
+    spread), and each module's own scaling folded into its B, in float32 before the cast."""
+    layout, views, stage, ratios = p.layout, landing.views, landing.memory[1], folds.ratios
     at = p.staged_at()
     for st in p.stacked:
         _copy_stacked(layout, views, st, typed(stage, at[st.A.start], st.A), typed(stage, at[st.B.start], st.B),
@@ -70,73 +123,34 @@ def read_layout(ckpt: Checkpoint, layout: SlotLayout, buffers: HostBuffers, stag
     for d in p.dense:
         b = views[d.target][1]
         shape = (*b.shape[:-1], d.rank)
-        _copy_rows(b[..., : d.rank], stage[d.at : d.at + math.prod(shape) * d.dtype.itemsize].view(d.dtype).view(shape))
+        _copy_rows(b[..., : d.rank], _typed_at(stage, d.at, math.prod(shape) * d.dtype.itemsize, d.dtype).view(shape))
     for r in p.spread():
         _copy_piece(views, r.piece, _rows(stage, r))
-    for r in p.staged:  # a module's own scaling is folded into its B, in float32 before the cast
+    for r in p.staged:
         if r.piece.role == "B" and r.piece.module in ratios:
             _fold(views, r.piece, _rows(stage, r), ratios[r.piece.module])
     _fold_direct(p, views, ratios)
-    _fold_whole(views, whole)
-    return p.rank, scaling, blocks
+    _fold_whole(views, folds.whole)
+    return landing.blocks
 
 
-def snapshot(ckpt: Checkpoint, staging: HostBuffers) -> torch.Tensor:
-    """Every byte of the checkpoint, once, at the header's offsets: read from its one open file (header
-    included, which must be the one parsed), or copied from the pushed tensors. A read with a digest
-    hashes this very copy and lays the adapter out from it, so what it serves is what hashed."""
-    buf = staging.take(ckpt.size, exact=False)[0][: ckpt.size]
-    if ckpt.tensors is not None:
-        entries = list(ckpt.header.tensors.values())
-        dst = [typed(buf, e.start, e, aligned_only=True) for e in entries]
-        src = [ckpt.tensor(e) for e in entries]
-        for d, t in zip(dst, src, strict=True):
-            d.copy_(t)  # a copy of the values, not of the memory: a negative or conjugate view comes out resolved
-        return buf
-    runs = [(at, ((at, min(BATCH_BYTES, ckpt.size - at)),)) for at in range(0, ckpt.size, BATCH_BYTES)]
-    _read(ckpt, [(buf, tuple((run,) for run in runs))])
-    if bytes(buf[: len(ckpt.header.prefix)].numpy()) != ckpt.header.prefix:
-        raise ckpt.refusal(["its header changed since it was read: the file was rewritten in place"])
-    return buf
+def typed(buf: torch.Tensor, at: int, e: TensorEntry) -> torch.Tensor:
+    """e's tensor as a linear's [rows, columns], from its bytes at offset at of the uint8 buf."""
+    return _typed_at(buf, at, e.nbytes, e.torch_dtype).view(as_linear(e.shape))
 
 
-def typed(buf: torch.Tensor, at: int, e: TensorEntry, aligned_only: bool = False) -> torch.Tensor:
-    """e's tensor as a linear's [rows, columns], from its bytes at offset at of the uint8 buf: a view, or a
-    copy where the bytes do not lie at an address of their dtype's alignment (a file may place them so)."""
-    raw = buf[at : at + e.nbytes]
-    if raw.data_ptr() % e.torch_dtype.itemsize:
-        if aligned_only:
-            raise ValueError(f"a tensor at offset {at} is not aligned for {e.dtype}")
+def _typed_at(buf: torch.Tensor, at: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """nbytes of buf from at as dtype: a view, or a copy where they do not lie at an address of the dtype's
+    alignment (a file may place them so: a header whose length is no multiple of 4, say)."""
+    raw = buf[at : at + nbytes]
+    if raw.data_ptr() % dtype.itemsize:
         raw = raw.clone()
-    return raw.view(e.torch_dtype).view(as_linear(e.shape))
+    return raw.view(dtype)
 
 
-def node_scaling(scalings: Mapping[str, float], modules: Iterable[str]) -> float:
-    """The scaling a node's slots take: the one most of the modules it serves share (the smaller where
-    two are as common), never 0 while one is not; the rest fold into their B. It follows from the
-    modules' scalings alone, which the digest covers, so one digest is always one layout. An expert
-    node of an adapter whose experts have a rank of their own thus folds nothing."""
-    counts = Counter(scalings[m] for m in modules)
-    nonzero = {s: n for s, n in counts.items() if s}
-    if not nonzero:
-        return 0.0 if counts else 1.0  # every module serves nothing, or there are none
-    return max(nonzero, key=lambda s: (nonzero[s], -s))
-
-
-def _whole_folds(p: Plan, ratios: dict[str, float]) -> dict[str, float]:
-    """Targets whose every module has one scaling of its own, copied exactly (in the store's dtype): their
-    whole b is folded in place at once (a Qwen3-MoE adapter's experts at a rank of their own: 55,000
-    folds become one a layer)."""
-    seen: dict[str, set[tuple[float, bool]]] = {}
-    for module, target, exact in p.owners:
-        seen.setdefault(target, set()).add((ratios.get(module, 1.0), exact))
-    whole = {}
-    for target, kinds in seen.items():
-        if len(kinds) == 1:
-            ((ratio, exact),) = kinds
-            if exact and ratio != 1.0:
-                whole[target] = ratio
-    return whole
+def _bytes(memory: torch.Tensor) -> memoryview:
+    """A plain view of a uint8 tensor's bytes; the tensor, which the caller holds, owns them."""
+    return memoryview((ctypes.c_char * memory.numel()).from_address(memory.data_ptr())).cast("B")
 
 
 def _fold_whole(views: Views, whole: dict[str, float]) -> None:
@@ -145,35 +159,6 @@ def _fold_whole(views: Views, whole: dict[str, float]) -> None:
         b = views[target][1]
         for layer in range(b.shape[0]):
             b[layer].copy_(b[layer].float() * ratio)
-
-
-def _copy_memory(tensor_of: Callable[[TensorEntry], torch.Tensor], p: Plan, blocks: torch.Tensor, views: Views,
-                 ratios: dict[str, float]) -> None:
-    """Every piece copied from tensors in memory (pushed ones, read and never written, or a snapshot's):
-    the direct ones as bytes, half on a reader thread (two threads copy 1.45x faster than one here), the
-    rest one by one."""
-    flat: dict[int, torch.Tensor] = {}
-    pairs = []
-    for r in p.direct:
-        e = r.piece.entry
-        if e.start not in flat:
-            flat[e.start] = tensor_of(e).cpu().contiguous().reshape(-1).view(torch.uint8)
-        pairs.append((blocks[r.to : r.to + r.nbytes], flat[e.start][r.at - e.start : r.at - e.start + r.nbytes]))
-    half = len(pairs) // 2 if READ_THREADS > 1 else 0
-    other = _READERS.submit(torch._foreach_copy_, *map(list, zip(*pairs[:half], strict=True))) if half else None
-    try:
-        for q in (*(r.piece for r in p.staged), *p.mapped):
-            rows = tensor_of(q.entry)[q.rows[0] : q.rows[1]]
-            if q.role == "B" and q.module in ratios:
-                _fold(views, q, rows, ratios[q.module])
-            else:
-                _copy_piece(views, q, rows)
-        if pairs[half:]:
-            torch._foreach_copy_(*map(list, zip(*pairs[half:], strict=True)))
-    finally:
-        if other is not None:
-            other.result()
-    _fold_direct(p, views, ratios)
 
 
 def _fold_direct(p: Plan, views: Views, ratios: dict[str, float]) -> None:
@@ -221,7 +206,7 @@ def _zero_padding(p: Plan, blocks: dict[str, torch.Tensor], views: Views, R: int
 def _rows(stage: torch.Tensor, r: Read) -> torch.Tensor:
     """A staged read's rows of its factor, as a linear's."""
     e = r.piece.entry
-    return stage[r.to : r.to + r.nbytes].view(e.torch_dtype).view(-1, as_linear(e.shape)[1])
+    return _typed_at(stage, r.to, r.nbytes, e.torch_dtype).view(-1, as_linear(e.shape)[1])
 
 
 def _destination(views: Views, q: Piece) -> torch.Tensor:
@@ -254,38 +239,40 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.view(unit).copy_(src.view(unit))
 
 
-def _read(ckpt: Checkpoint, work: list[tuple[torch.Tensor, tuple[Batch, ...]]]) -> None:
-    """Every batch read from the checkpoint's open file into its memory by whichever of this thread and
-    the reader threads is free."""
+def read(source: Source, work: list[tuple[torch.Tensor, tuple[Batch, ...]]],
+         expected: Sequence[int] | None = None) -> None:
+    """Every batch read from source into its memory by whichever of this thread and the reader threads is
+    free; with expected, each run's fingerprint (in batch order, work's first memory then its second)
+    checked where the run landed."""
     queue: deque = deque()
+    index = 0
     for memory, batches in work:
-        # A plain view of the memory's bytes for preadv to fill; the tensor, which the caller holds, owns them.
-        view = memoryview((ctypes.c_char * memory.numel()).from_address(memory.data_ptr())).cast("B")
-        queue.extend([(at, [view[to : to + n] for to, n in parts]) for at, parts in b] for b in batches)
-    source = ckpt.source
-    if not source.unchanged():
-        raise ckpt.refusal(["the file changed size since its header was read"])
-    helpers = [_READERS.submit(_drain, source, queue) for _ in range(min(READ_THREADS - 1, len(queue)))]
+        view = _bytes(memory)
+        for b in batches:
+            queue.append([(index + i, at, [view[to : to + n] for to, n in parts]) for i, (at, parts) in enumerate(b)])
+            index += len(b)
+    helpers = [_READERS.submit(_drain, source, queue, expected) for _ in range(min(READ_THREADS - 1, len(queue)))]
     try:
-        _drain(source, queue)
-    except ValueError as e:
+        _drain(source, queue, expected)
+    except BaseException:
         queue.clear()
-        raise ckpt.refusal([str(e)]) from None
+        raise
     finally:  # every read is over before the memory can go
         for f in helpers:
             f.exception()
     for f in helpers:
-        try:
-            f.result()
-        except ValueError as e:
-            raise ckpt.refusal([str(e)]) from None
+        f.result()
 
 
-def _drain(source: FileSource, queue: deque) -> None:
+def _drain(source: Source, queue: deque, expected: Sequence[int] | None) -> None:
     while True:
         try:
             runs = queue.popleft()
         except IndexError:
             return
-        for at, views in runs:
+        for i, at, views in runs:
             source.read_into(views, at)
+            if expected is not None and fingerprint.of_parts(views) != expected[i]:
+                queue.clear()
+                raise ValueError(f"the {sum(map(len, views))} bytes at offset {at} differ from those that hashed "
+                                 "to its digest")

@@ -44,10 +44,15 @@ class Registry:
         self._failed: dict[str, ValueError] = {}
 
     def register(self, version: Version) -> None:
-        """Make version its name's current one (a reload where the name had another)."""
-        self.unregister(version.name)
+        """Make version its name's current one (a reload where the name had another). The name has a
+        version at every moment of it: a step resolving it from another thread meanwhile never finds it
+        unregistered."""
+        old = self._current.get(version.name)
         self._current[version.name] = version
         self._keys.add(version.key)
+        if old is not None and old.key != version.key:
+            self._keys.discard(old.key)
+        self._failed.pop(version.name, None)
 
     def unregister(self, name: str) -> None:
         old = self._current.pop(name, None)

@@ -61,6 +61,19 @@ class TensorEntry(NamedTuple):
         return self.stop - self.start
 
 
+class Memo(OrderedDict):
+    """What is derived from one header (its modules, inspections, plans, scalings per config), the least
+    recent let go past MEMO entries: a header seen with ever new configs must not grow without bound."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        super().__setitem__(key, value)
+        while len(self) > MEMO:
+            self.popitem(last=False)
+
+
+MEMO = 64
+
+
 @dataclass(frozen=True)
 class Header:
     """A checked header. Shared by every file whose first bytes are the same (read_header caches
@@ -70,8 +83,11 @@ class Header:
     metadata: dict[str, str]
     data_start: int
     file_size: int
-    memo: dict = field(default_factory=dict, compare=False, repr=False)
+    memo: Memo = field(default_factory=Memo, compare=False, repr=False)
     prefix: bytes = field(default=b"", compare=False, repr=False)  # the file's first data_start bytes
+    # What makes two headers one, for caches that must outlive this object: a file's prefix, or the
+    # listing a header of pushed tensors was made from.
+    identity: object = field(default=None, compare=False, repr=False)
 
 
 class NotSafetensors(ValueError):
@@ -133,7 +149,8 @@ def parse_header(prefix: bytes, file_size: int) -> Header:
         raise ValueError("__metadata__ is not a string-to-string map")
     tensors = {name: _entry(name, value, data_start) for name, value in raw.items()}
     _check_packing(tensors, data_start, file_size - data_start)
-    return Header(tensors, metadata, data_start, file_size, prefix=prefix[:data_start])
+    head = prefix[:data_start]
+    return Header(tensors, metadata, data_start, file_size, prefix=head, identity=(head, file_size))
 
 
 def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -233,6 +250,12 @@ class _Cache:
                     (old, _), _ = self._headers.popitem(last=False)
                     self.nbytes -= len(old)
             return self._headers.get(key, header)
+
+
+    def clear(self) -> None:
+        with self._lock:
+            self._headers.clear()
+            self.nbytes = 0
 
 
 _HEADERS = _Cache(CACHE_BYTES)

@@ -1,16 +1,35 @@
-"""An adapter's weights file, opened once per read: its header, its hash and its copy see one inode.
+"""Where a read's bytes come from: a file opened once, pushed tensors, or a snapshot in memory.
 
-A new version renamed over the path while a read is under way is not this read's business: the
-descriptor keeps the old file. Nothing is mapped, so a file truncated under a read ends it with a
-short read, which is refused, never with a SIGBUS.
+Each is read the same way, read_into(views, at) filling memory from a byte offset, so the reader
+follows one plan over any of them. A file is opened once per read: its header, its hash and its copy
+see one inode, and a new version renamed over the path meanwhile is not this read's business. Nothing
+is mapped, so a file truncated under a read ends it with a short read, which is refused, never with a
+SIGBUS. Pushed tensors are read at the offsets their header gives them, a copy of their memory as it
+is when each piece is read.
 """
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import os
 import stat
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
+
+import torch
+
+
+class Source(Protocol):
+    """What a read reads from: read_into fills views, one after another, from a byte offset."""
+
+    size: int
+
+    def read_into(self, views: list[memoryview], at: int) -> None: ...
+
+    def unchanged(self) -> bool: ...
 
 
 class FileSource:
@@ -61,3 +80,58 @@ class FileSource:
     def unchanged(self) -> bool:
         """Whether the file still has the size it was opened with (a rewrite in place may keep it)."""
         return os.fstat(self.fd).st_size == self.size
+
+
+class TensorSource:
+    """Pushed tensors at the offsets their header lists them at (starts, in that order), read as a file
+    holding them would be. Gaps between them read as zeros. The tensors are read, never written; one
+    that is not a contiguous CPU tensor is copied into one when first read."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], starts: Sequence[int], size: int) -> None:
+        self._tensors, self._starts, self.size = list(tensors), list(starts), size
+        self._bytes: dict[int, memoryview] = {}  # each tensor's memory as bytes, for those read so far
+        self._kept: list[torch.Tensor] = []  # copies made of tensors that were not contiguous CPU ones
+
+    def read_into(self, views: list[memoryview], at: int) -> None:
+        for v in views:
+            self._fill(v, at)
+            at += len(v)
+
+    def _memory(self, i: int) -> memoryview:
+        if i not in self._bytes:
+            t = self._tensors[i]
+            if t.device.type != "cpu" or not t.is_contiguous():
+                t = t.contiguous().cpu()
+                self._kept.append(t)
+            self._bytes[i] = _bytes_of(t.data_ptr(), t.numel() * t.element_size())
+        return self._bytes[i]
+
+    def _fill(self, view: memoryview, at: int) -> None:
+        stop = at + len(view)
+        if stop > self.size:
+            raise ValueError("the tensors end before the bytes asked for")
+        i = max(bisect.bisect_right(self._starts, at) - 1, 0)
+        done = 0
+        while done < len(view):
+            pos = at + done
+            if i >= len(self._starts) or pos < self._starts[i]:  # a gap before the next tensor
+                n = min(self._starts[i] if i < len(self._starts) else stop, stop) - pos
+                view[done : done + n] = bytes(n)
+                done += n
+                continue
+            memory = self._memory(i)
+            start = self._starts[i]
+            if pos >= start + len(memory):
+                i += 1
+                continue
+            n = min(start + len(memory), stop) - pos
+            view[done : done + n] = memory[pos - start : pos - start + n]
+            done += n
+
+    def unchanged(self) -> bool:
+        return True
+
+
+def _bytes_of(address: int, n: int) -> memoryview:
+    """n bytes of memory at address, as a writable-by-nobody view (the memory's owner keeps it alive)."""
+    return memoryview((ctypes.c_char * n).from_address(address)).cast("B") if n else memoryview(b"")

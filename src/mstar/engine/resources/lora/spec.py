@@ -233,12 +233,13 @@ class LoraSpec:
         for regex, target, s in self._compiled:
             m = regex.fullmatch(module)
             if m:
-                indices = {g: m.group(g) for g in ("layer", "expert") if g in regex.groupindex}
-                if not all(map(canonical_index, indices.values())):
+                indices = m.groupdict()
+                layer, expert = indices.get("layer") or "0", indices.get("expert") or "0"
+                if not (canonical_index(layer) and canonical_index(expert)):
                     break  # layers.01 or layers.١ is a name PEFT never writes, and no module has
                 if isinstance(s, PerExpert):
-                    s = int(indices["expert"]) * s.per + s.offset
-                found = Location(target, int(indices.get("layer", 0)), s)
+                    s = int(expert) * s.per + s.offset
+                found = Location(target, int(layer), s)
                 break
         if len(self._located) < 1 << 20:  # adapters of one model share their module names
             self._located[module] = found

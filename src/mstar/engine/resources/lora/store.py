@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -28,16 +28,17 @@ from .check import (
     refuse_misfits,
 )
 from .checkpoint import Checkpoint, open_checkpoint
-from .digest import adapter_digest
+from .digest import adapter_digest, hash_runs, hash_stream
+from .digest import manifest as digest_manifest
 from .host_memory import HostBuffers
 from .layout import SlotLayout
 from .memory import tensor_checkpoint
-from .plan import host_bytes
-from .reader import read_layout, snapshot
-from .slot_ranks import slot_ranks
+from .plan import Folds, Plan, host_bytes, plan
+from .reader import Scatter, fingerprints, land, landing_ranges, lay_out, read_layout
 from .spec import LoraSpec
 
 _HASHER = ThreadPoolExecutor(1, thread_name_prefix="mstar-lora-digest")
+VERIFIED = 4096  # digests whose runs' fingerprints a store keeps (a few KB each for an 8B adapter)
 
 __all__ = [
     "LoadedAdapter",
@@ -108,7 +109,10 @@ class LoraAdapterStore:
         pin: bool | None = None,
         dtype: torch.dtype | None = None,
         max_bytes: int | None = None,
+        verify: Literal["fingerprint", "digest"] = "fingerprint",
     ) -> None:
+        if verify not in ("fingerprint", "digest"):
+            raise ValueError(f"verify is fingerprint or digest, not {verify!r}")
         if pin and not torch.cuda.is_available():
             raise ValueError("pin=True page-locks host memory for CUDA, and CUDA is not available")
         self.layout = SlotLayout(spec, rank, world_size, dtype or spec.dtype)
@@ -121,6 +125,9 @@ class LoraAdapterStore:
         self._buffers = HostBuffers(self.pin)
         self._staging = HostBuffers(pin=False, spare=1)  # what reads pass through, never pinned
         self._lock = threading.Lock()
+        self.verify = verify
+        # (digest, header identity) -> (manifest, each run's fingerprint), from a read that hashed every byte
+        self._verified: OrderedDict[tuple[bytes, object], tuple[bytes, tuple[int, ...]]] = OrderedDict()
 
     # --- what is held: hold and drop alone decide it -------------------------------------
 
@@ -231,13 +238,15 @@ class LoraAdapterStore:
 
     def _read(self, ckpt: Checkpoint, digest: bytes | None) -> LoadedAdapter:
         refuse_misfits(self.spec, ckpt)
+        p = plan(ckpt, self.layout)
         try:
             if digest is None:  # this rank's shard alone, unverified
-                top, scaling, blocks = read_layout(ckpt, self.layout, self._buffers, self._staging)
+                folds = p.folds(ckpt.scalings(self.spec.convert_keys))
+                blocks = read_layout(p, folds, ckpt.data, self._buffers, self._staging)
             else:
-                top, scaling, blocks = self._read_verified(ckpt, digest)
+                blocks, folds = self._read_verified(ckpt, p, digest)
         except ValueError as e:
-            refused = ValueError(*e.args)
+            refused = ckpt.refusal([str(e)])
         else:
             refused = None
         if refused is not None:  # raised anew, out here: the failed read's frames, and the buffer they hold, go
@@ -245,24 +254,48 @@ class LoraAdapterStore:
         views = {t: self.layout.targets[t].split(block) for t, block in blocks.items()}
         a = {t: ab[0] for t, ab in views.items()}
         b = {t: ab[1] for t, ab in views.items()}
-        return LoadedAdapter(ckpt.name, digest, top, scaling, a, b, blocks, slot_ranks(ckpt, self.layout))
+        return LoadedAdapter(ckpt.name, digest, p.rank, folds.scaling, a, b, blocks, p.ranks)
 
-    def _read_verified(self, ckpt: Checkpoint, digest: bytes) -> tuple[int, float, dict[str, torch.Tensor]]:
-        """Every byte read once into a snapshot (from the one open file, or the pushed tensors' values),
-        hashed, and laid out from that very copy: the weights returned are exactly those that hashed to
-        the digest, whatever happens to the file or the tensors meanwhile, or the read is refused."""
-        snap = snapshot(ckpt, self._staging)
-        # The hash (which releases the GIL) runs beside the copy out of the same snapshot.
-        hashing = _HASHER.submit(adapter_digest, ckpt, self.spec.convert_keys, snapshot=snap)
-        try:
-            top, scaling, blocks = read_layout(ckpt, self.layout, self._buffers, self._staging, snapshot=snap)
-        finally:
-            found = hashing.result()
+    def _read_verified(self, ckpt: Checkpoint, p: Plan, digest: bytes) -> tuple[dict[str, torch.Tensor], Folds]:
+        """The weights that hash to digest, or a ValueError. The first read under a digest reads every byte
+        once, in chunks it hashes and lays this rank's pieces out of as they pass (alpha tensors' values
+        too, so the scalings are the hashed ones), and keeps each run's fingerprint, taken where the run
+        landed; later reads under the digest read only this rank's runs and check their fingerprints
+        where they landed (fingerprint.py). Memory stays the layout's and two chunks, whatever the file."""
+        conv = self.spec.convert_keys
+        key = (digest, ckpt.header.identity)  # the plan follows from the header and this store's layout
+        with self._lock:
+            known = self._verified.get(key)
+        if known is not None and self.verify == "fingerprint":
+            scalings = ckpt.scalings(conv)
+            if known[0] != digest_manifest(ckpt, conv):
+                raise ValueError(_changed(ckpt, "its names, shapes or scalings differ from those that hashed to "
+                                                "its digest"))
+            folds = p.folds(scalings)
+            try:
+                return read_layout(p, folds, ckpt.data, self._buffers, self._staging, known[1]), folds
+            except ValueError as e:
+                raise ValueError(_changed(ckpt, str(e))) from None
+        landing = land(p, self._buffers, self._staging)
+        alphas = [(e.start, e.nbytes, memoryview(bytearray(e.nbytes))) for e in ckpt.alpha_entries(conv)]
+        visit = Scatter([*landing_ranges(p, landing), *alphas])
+        source = ckpt.data
+        if ckpt.tensors is None and source.read(len(ckpt.header.prefix), 0) != ckpt.header.prefix:
+            raise ValueError("its header changed since it was read: the file was rewritten in place")
+        data = hash_stream(source, hash_runs(ckpt, conv), visit=visit)
+        hashed = ckpt.with_alphas({at: bytes(v) for at, _, v in alphas})  # the alphas as they were hashed
+        found = adapter_digest(hashed, conv, data=data)
         if found != digest:
-            what = "the file changed since" if ckpt.tensors is None else "the tensors changed since they were pushed"
-            raise ckpt.refusal([f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was "
-                                f"checked with: {what}"])
-        return top, scaling, blocks
+            raise ValueError(f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was "
+                             f"checked with: {_changed(ckpt)}")
+        prints = fingerprints(p, landing)  # before anything is laid out over the runs (folds write in place)
+        folds = p.folds(hashed.scalings(conv))
+        blocks = lay_out(p, landing, folds)
+        with self._lock:
+            self._verified[key] = (digest_manifest(hashed, conv), prints)
+            while len(self._verified) > VERIFIED:
+                self._verified.popitem(last=False)
+        return blocks, folds
 
     def load(self, name: str, path: str | os.PathLike[str], digest: bytes | None = None) -> LoadedAdapter:
         """Hold name and read it from path unless its copy is in.
@@ -310,3 +343,8 @@ class LoraAdapterStore:
             del self._reading[name]
         future.set_result(adapter)
         return adapter
+
+
+def _changed(ckpt: Checkpoint, why: str | None = None) -> str:
+    what = "the file changed since" if ckpt.tensors is None else "the tensors changed since they were pushed"
+    return what if why is None else f"{why}: {what}"
