@@ -8,7 +8,7 @@ import random
 import safetensors.torch
 import torch
 from peft.utils import get_peft_model_state_dict
-from safetensors_files import file_order, load, metadata, write_by_hand
+from safetensors_files import data_start, file_order, load, metadata, write_by_hand
 from tiny import make_adapter, model_config
 
 from mstar.engine.resources.lora.check import check_adapter_tensors
@@ -80,3 +80,15 @@ def test_pushed_tensors_that_are_strided_views_digest_as_their_values(tmp_path):
     assert not any(v.is_contiguous() for v in strided.values())
     config = pm.peft_config["default"]
     assert check_adapter_tensors(SPEC, "ad", strided, config) == check_adapter_file(SPEC, "ad", path)
+
+
+def test_the_first_and_the_last_byte_of_the_tensors_each_change_the_digest(tmp_path):
+    _, path = make_adapter(tmp_path)
+    file = path / WEIGHTS
+    before = check_adapter_file(SPEC, "ad", path)
+    original = file.read_bytes()
+    for at in (data_start(original[:8]), len(original) - 1):
+        changed = bytearray(original)
+        changed[at] ^= 1
+        file.write_bytes(bytes(changed))
+        assert check_adapter_file(SPEC, "ad", path) != before, f"byte {at} of {len(original)}"
