@@ -8,10 +8,13 @@ import json
 import re
 
 import pytest
+import torch
 from peft import LoraConfig
 from peft.tuners.tuners_utils import check_target_module_exists
+from reference import assert_serves_peft
 from tiny import LM_TARGETS, make_adapter, model_config
 
+from mstar.engine.resources.lora.adapter_config import parse_config
 from mstar.engine.resources.lora.models import specs_from_config
 from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_file, inspect_adapter
 
@@ -57,3 +60,67 @@ def test_a_target_module_name_takes_modules_of_that_name_not_names_ending_in_it(
     with pytest.raises(ValueError, match=rf"module {re.escape(module)}: adapter_config\.json's target_modules / "
                                          r"exclude_modules leave it out.* \(and 2 more modules alike\)$"):
         check_adapter_file(spec, "ad", path)
+
+
+NAMES = [f"model.layers.{i}.{PARTS[m]}.{m}" for i in (0, 1, 2, 10) for m in ("q_proj", "v_proj", "down_proj")] + [
+    "model.layers.1.mlp.experts.3.gate_proj", "model.h.2.attn.q_proj", "transformer.h.1.v_proj", "q_proj",
+    "model.q_proj", "a.1.b.2.q_proj", "model.decoder.layers.1.self_attn.q_proj", "model.layers.x1.q_proj",
+    "model.layers.2.q_proj.1.v_proj"]
+
+
+@pytest.mark.parametrize("lora", [
+    dict(target_modules=["model.layers.2.self_attn.q_proj", "v_proj"], layers_to_transform=[0]),
+    dict(target_modules=["q_proj", "v_proj"], layers_to_transform=[]),
+    dict(target_modules=["q_proj", "v_proj", "down_proj", "gate_proj"], layers_to_transform=1),
+    dict(target_modules=["q_proj", "v_proj"], layers_to_transform=[1, 2], layers_pattern="h"),
+    dict(target_modules=["q_proj", "v_proj"], layers_to_transform=[1], layers_pattern=["decoder.layers", "layers"]),
+    dict(target_modules=["q_proj"], layers_to_transform=[2], layers_pattern="(layers|q_proj)"),
+], ids=["a-name-whole", "empty", "an-int", "a-pattern", "patterns-in-order", "a-pattern-matching-twice"])
+def test_which_modules_a_config_takes_is_peft_own_rule(lora):
+    """layers_to_transform restricts only modules target_modules takes by a dotted suffix, at the layer index
+    PEFT reads (the first after two words, or after a layers_pattern): name by name against PEFT's own rule."""
+    raw = LoraConfig(**lora).to_dict()
+    config = parse_config(json.loads(json.dumps(raw, default=list)))
+    for name in NAMES:
+        want = bool(check_target_module_exists(LoraConfig(**lora), name))
+        assert (config.targets(name) and config.transforms_layer(name)) == want, name
+
+
+@pytest.mark.parametrize("lora", [
+    dict(target_modules=["model.layers.2.self_attn.q_proj", "v_proj"], layers_to_transform=[0]),
+    dict(target_modules=["q_proj", "v_proj"], layers_to_transform=[]),
+    dict(target_modules=["q_proj", "down_proj"], layers_to_transform=[1, 2], layers_pattern="layers"),
+], ids=["a-name-whole", "empty", "a-pattern"])
+def test_an_adapter_peft_makes_with_layers_to_transform_serves_peft_delta(tmp_path, lora):
+    pm, path = make_adapter(tmp_path, **lora)
+    digest = check_adapter_file(SPEC, "ad", path)
+    adapter = LoraAdapterStore(SPEC, pin=False, dtype=torch.float32).read("ad", path, digest)
+    assert assert_serves_peft(pm, adapter, SPEC)
+
+
+def test_layers_to_transform_with_a_target_modules_regex_is_refused_as_peft_refuses_it(tmp_path):
+    _, path = make_adapter(tmp_path, target_modules=r".*\.q_proj")
+    config = path / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "layers_to_transform": [0]}))
+    with pytest.raises(ValueError, match=r"adapter 'ad' \(.*adapter_config\.json\): layers_to_transform with a "
+                                         "target_modules regex"):
+        check_adapter_file(SPEC, "ad", path)
+
+
+@pytest.mark.parametrize("pattern", ["layers|h", r"(x)|\(layers", "[|]|layers"])
+def test_a_layers_pattern_alternating_outside_a_group_is_refused(tmp_path, pattern):
+    """PEFT pastes layers_pattern into its own regex, which a | outside a group splits whole."""
+    _, path = make_adapter(tmp_path, target_modules=["q_proj"])
+    config = path / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "layers_to_transform": [0],
+                                  "layers_pattern": pattern}))
+    with pytest.raises(ValueError, match=r"adapter 'ad' \(.*adapter_config\.json\): layers_pattern .* alternates "
+                                         "outside a group"):
+        check_adapter_file(SPEC, "ad", path)
+
+
+@pytest.mark.parametrize("pattern", ["(layers|h)", r"lay\|ers", "[|]layers", "[]|]layers", "(?:a|b)"])
+def test_a_layers_pattern_alternating_only_inside_a_group_or_class_is_taken(pattern):
+    config = parse_config({"peft_type": "LORA", "target_modules": ["q_proj"], "layers_to_transform": [0],
+                           "layers_pattern": pattern})
+    assert config.layers_pattern == (pattern,)

@@ -280,3 +280,41 @@ def test_what_a_header_derives_stays_bounded_however_many_configs_it_is_seen_wit
         (path / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": alpha}))
         check_adapter_file(LM, "ad", path)
     assert len(sh.read_header(path / "adapter_model.safetensors").memo) <= sh.MEMO
+
+
+def test_a_pattern_whose_groups_re_would_backtrack_through_is_refused_at_once_in_every_field():
+    """An atomic group or a lookahead around a repeat backtracks in re as the repeat alone does; the states
+    cannot follow them, so such a pattern is refused, in a child with a time limit, as a regression would hang."""
+    code = f"""
+import sys, json, tempfile, pathlib
+sys.path.insert(0, {str(TESTS)!r})
+from tiny import make_adapter
+from test_hostile_configs import LM
+from mstar.engine.resources.lora import check_adapter_file
+tmp = pathlib.Path(tempfile.mkdtemp())
+_, path = make_adapter(tmp)
+config = json.loads((path / "adapter_config.json").read_text())
+for field in ({{"target_modules": "(?>(.+.+)+#)"}}, {{"rank_pattern": {{"(?>(.+.+)+#)": 4}}}},
+              {{"exclude_modules": "(?=(.+.+)+#)q_proj"}}, {{"alpha_pattern": {{"(?!(x+x+)+y)v_proj": 4}}}},
+              {{"layers_to_transform": [0], "layers_pattern": "(?>(.+.+)+#)"}}):
+    (path / "adapter_config.json").write_text(json.dumps({{**config, **field}}))
+    try:
+        check_adapter_file(LM, "ad", path)
+        print("accepted", field)
+    except ValueError as e:
+        assert "adapter_config.json" in str(e) and "not matched here" in str(e), e
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "accepted" not in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("init", ["lora_ga", "pissa_niter_4", "corda", "olora", "loftq"])
+def test_an_init_that_changes_the_base_weights_is_refused(tmp_path, init):
+    """PEFT's lora_ga (like PiSSA, CorDA and OLoRA) subtracts scaling * B0 A0 from the base weight when it
+    initialises: served on the unchanged base, every output would be off by that much."""
+    _, path = make_adapter(tmp_path)
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": init}))
+    with pytest.raises(ValueError, match=rf"adapter 'ad' \(.*adapter_config.json\): init_lora_weights '{init}' "
+                                         "assumes modified base weights"):
+        check_adapter_file(LM, "ad", path)

@@ -11,10 +11,13 @@ from reference import assert_serves_peft
 from safetensors_files import data_start, header, load, metadata, write_by_hand
 from tiny import make_adapter, model_config
 
+from mstar.engine.resources.lora.checkpoint import open_checkpoint
 from mstar.engine.resources.lora.layout import ALIGN
 from mstar.engine.resources.lora.models import specs_from_config
-from mstar.engine.resources.lora.plan import SKEW
+from mstar.engine.resources.lora.plan import SKEW, plan
 from mstar.engine.resources.lora.pool import LoraDevicePool
+from mstar.engine.resources.lora.reader import typed
+from mstar.engine.resources.lora.safetensors_header import TensorEntry
 from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_file
 
 WEIGHTS = "adapter_model.safetensors"
@@ -109,3 +112,47 @@ def test_tensors_lying_off_their_dtypes_alignment_in_the_file_serve_what_aligned
             for got in (LoraAdapterStore(s, pin=False, dtype=store_dtype).read("ad", path, d) for d in (None, digest)):
                 for t in expected.a:
                     assert torch.equal(got.a[t], expected.a[t]) and torch.equal(got.b[t], expected.b[t]), t
+
+
+def staged_places(store: LoraAdapterStore, path) -> list[tuple[int, int, torch.dtype]]:
+    """(file offset, staging offset, dtype) of every tensor byte the store's plan for path stages: staged reads,
+    dense targets' B and tensors staged whole."""
+    with open_checkpoint(path) as ckpt:
+        p = plan(ckpt, store.layout)
+    places = [(r.at, r.to, r.piece.entry.torch_dtype) for r in p.staged]
+    places += [(e.start, at, e.torch_dtype) for e, at in p.whole]
+    for d in p.dense:  # its first B row: where the dense copy views the buffer from
+        first = min((r for r in p.staged if r.piece.role == "B" and r.piece.target == d.target), key=lambda r: r.to)
+        places.append((first.at - (first.to - d.at), d.at, d.dtype))
+    return places
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_staged_bytes_lie_at_the_files_address_modulo_skew_or_else_at_their_dtypes_alignment(tmp_path, dtype):
+    """Staged bytes are viewed as their dtype where they lie: where the file has them at an offset of that
+    alignment they agree with it modulo SKEW (a copy at memory speed), else they are put at the dtype's own
+    alignment (no copy of each tensor before it is viewed)."""
+    s = spec(8)
+    _, path = make_adapter(tmp_path, r=4, dtype=dtype, rank_pattern={"down_proj": 8})
+    store = LoraAdapterStore(s, pin=False)  # bfloat16: fp32 factors are staged and cast
+    file = path / WEIGHTS
+    tensors, meta = load(file), metadata(file)
+    for mod_8 in (0, 1, 2, 4, 6):
+        write_by_hand(file, sorted(tensors.items()), meta, header_length_mod_8=mod_8)
+        places = staged_places(store, path)
+        assert places, "the premise: some bytes are staged"
+        aligned = [(at, to) for at, to, dt in places if at % dt.itemsize == 0]
+        assert all((to - at) % SKEW == 0 for at, to in aligned), f"header length {mod_8} modulo 8"
+        assert all(to % dt.itemsize == 0 for _, to, dt in places), f"header length {mod_8} modulo 8"
+        if mod_8 % dtype.itemsize:
+            assert len(aligned) < len(places), "the premise: some staged bytes lie off their alignment in the file"
+
+
+def test_a_tensor_at_an_address_off_its_dtypes_alignment_is_read_as_its_values():
+    """reader.typed views bytes as their dtype; where they lie at an odd address it reads a copy."""
+    values = torch.randn(3, 5, dtype=torch.float32)
+    for at in range(4):
+        buf = torch.zeros(values.nbytes + 8, dtype=torch.uint8)
+        buf[at : at + values.nbytes] = values.view(-1).view(torch.uint8)
+        entry = TensorEntry("F32", (3, 5), 0, values.nbytes)
+        assert torch.equal(typed(buf, at, entry), values), at

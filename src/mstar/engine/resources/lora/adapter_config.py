@@ -27,7 +27,7 @@ UNSERVED_OPTIONS = {
     "fan_in_fan_out": "fan_in_fan_out stores factors for a transposed base weight",
 }
 # These initialisations leave a residual in the base weights that the served base lacks.
-RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq")
+RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class AdapterConfig:
     rank_pattern: Mapping[str, int] = field(default_factory=dict)
     alpha_pattern: Mapping[str, float] = field(default_factory=dict)
     layers_to_transform: tuple[int, ...] | None = None
+    layers_pattern: tuple[str, ...] = ()  # regexes, each for the dotted words just before a layer's index
     source: str = "adapter_config.json"
     target_modules: frozenset[str] | str | None = None  # names, or one regex; None: whatever the file holds
     exclude_modules: frozenset[str] | str | None = None
@@ -74,6 +75,33 @@ class AdapterConfig:
             return True
         return _names(self.target_modules, module) or bool(self.target_parameters and
                                                            _names(self.target_parameters, module))
+
+    def layer_of(self, module: str) -> int | None:
+        """The layer index PEFT reads from module for layers_to_transform: the first dotted word of digits
+        after two others, or where layers_pattern is given, the first right after words a pattern matches
+        (patterns in order; where one could match up to two indices, the first)."""
+        parts = module.split(".")
+        ends = [(sum(len(w) + 1 for w in parts[:i]) - 1, int(parts[i]))
+                for i in range(1, len(parts) - 1) if parts[i].isdecimal() and parts[i].isascii()]
+        if not self.layers_pattern:
+            return next((index for dot, index in ends if dot > len(parts[0])), None)
+        starts = [0, *(i + 1 for i, ch in enumerate(module) if ch == ".")]
+        for pattern in self.layers_pattern:
+            for start in starts:
+                for dot, index in ends:
+                    if dot >= start and patterns.fullmatch(pattern, module[start:dot]):
+                        return index
+        return None
+
+    def transforms_layer(self, module: str) -> bool:
+        """Whether layers_to_transform lets PEFT put LoRA on module. As in PEFT, it restricts only modules a
+        target_modules list takes by a dotted suffix: a module it names whole is taken in every layer, and
+        an empty list restricts nothing."""
+        if not self.layers_to_transform:
+            return True
+        if isinstance(self.target_modules, frozenset) and module in self.target_modules:
+            return True
+        return self.layer_of(module) in self.layers_to_transform
 
 
 def _names(names: frozenset[str] | str, module: str) -> bool:
@@ -133,6 +161,7 @@ def parse_config(raw: object, source: str = "adapter_config.json") -> AdapterCon
             rank_pattern=_patterns(raw.get("rank_pattern"), "rank_pattern", int),
             alpha_pattern=_patterns(raw.get("alpha_pattern"), "alpha_pattern", float),
             layers_to_transform=_layers(raw.get("layers_to_transform")),
+            layers_pattern=_layer_patterns(raw.get("layers_pattern")),
             source=source,
             target_modules=_modules(raw.get("target_modules"), "target_modules"),
             exclude_modules=_modules(raw.get("exclude_modules"), "exclude_modules"),
@@ -141,6 +170,8 @@ def parse_config(raw: object, source: str = "adapter_config.json") -> AdapterCon
     except ValueError as e:
         problems.append(str(e))
         config = None
+    if config is not None and config.layers_to_transform is not None and isinstance(config.target_modules, str):
+        problems.append("layers_to_transform with a target_modules regex, a config PEFT refuses to load")
     if problems:
         raise ValueError("; ".join(problems))
     return config
@@ -224,3 +255,20 @@ def _layers(v: object) -> tuple[int, ...] | None:
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
         raise ValueError(f"layers_to_transform {v!r} is not a list of layer indices")
     return tuple(v)
+
+
+def _layer_patterns(v: object) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    v = [v] if isinstance(v, str) else v
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v) or len(v) > MAX_KEYS:
+        raise ValueError("layers_pattern is not a pattern or a list of them")
+    for pattern in v:
+        try:
+            patterns.check_pattern(pattern)
+        except ValueError as e:
+            raise ValueError(f"layers_pattern {_short(pattern)} cannot be matched: {e}") from None
+        if patterns.alternates_outside_groups(pattern):  # PEFT pastes it into a regex, which | would split
+            raise ValueError(f"layers_pattern {_short(pattern)} alternates outside a group, which PEFT reads as "
+                             "alternatives to its whole layer regex; put them in a group")
+    return tuple(x for x in v if x)

@@ -152,9 +152,10 @@ def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
                                "so its scaling is unknown")
         if ways.get(module, "A in") not in ("A in", "A out"):
             misfits[module] = ways[module]
-        layer = loc.layer
-        if config is not None and config.layers_to_transform is not None and layer not in config.layers_to_transform:
-            misfits[module] = f"layer {layer} is outside layers_to_transform {list(config.layers_to_transform)}"
+        if config is not None and not config.transforms_layer(module):
+            layer = config.layer_of(module)
+            misfits[module] = (f"layer {layer} is outside layers_to_transform {list(config.layers_to_transform)}"
+                               if layer is not None else "it has no layer index for layers_to_transform to take")
         if config is not None and not config.targets(module):
             misfits[module] = (f"{config.source}'s target_modules / exclude_modules leave it out, so PEFT puts no "
                                "LoRA there and would drop these weights")

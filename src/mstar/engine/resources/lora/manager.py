@@ -172,7 +172,8 @@ class LoraManager:
 
     def unregister(self, name: str) -> None:
         """No new request gets name; its memory is freed once no running request uses it."""
-        self.registry.unregister(name)
+        with self._lock:  # as registrations are: one racing it from another thread leaves no key current
+            self.registry.unregister(name)
 
     # --- the step ------------------------------------------------------------------------
 

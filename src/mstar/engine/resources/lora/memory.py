@@ -22,6 +22,7 @@ from .adapter_config import AdapterConfig, parse_config
 from .checkpoint import CONFIG, Checkpoint, refusal
 from .keys import PEFT_PREFIX
 from .safetensors_header import DTYPES, Header, TensorEntry
+from .source import unreadable_memory
 
 WHERE = Path("<pushed tensors>")  # what refusals name in place of a file
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -65,13 +66,15 @@ def _unreadable(t: object) -> str | None:
         return f"is a {type(t).__name__}, not a tensor"
     if t.layout != torch.strided:
         return f"is a {t.layout} tensor; push dense ones (.to_dense())"
+    if t.is_nested:
+        return "is a nested tensor; push one tensor per weight"
     if t.is_meta or t.device.type == "meta":
         return "is a meta tensor, which holds no values"
     if t.dtype not in _NAMES:
         return f"has dtype {t.dtype}, which no safetensors file holds"
     if t.is_conj():
         return "is a conjugate view"
-    return None
+    return unreadable_memory(t)
 
 
 @functools.lru_cache(maxsize=64)  # pushes of one adapter's new weights share it, and what is derived from it
