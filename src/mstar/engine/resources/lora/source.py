@@ -100,7 +100,7 @@ class TensorSource:
     def _memory(self, i: int) -> memoryview:
         if i not in self._bytes:
             t = self._tensors[i]
-            why = unreadable_memory(t)  # again: its storage may have been freed since it was pushed
+            why = storage_shortfall(t)  # again: its storage may have been freed since it was pushed
             if why:
                 raise ValueError(f"a pushed tensor {why}")
             if t.device.type != "cpu" or not t.is_contiguous():
@@ -143,22 +143,30 @@ def _bytes_of(address: int, n: int) -> memoryview:
 def unreadable_memory(t: torch.Tensor) -> str | None:
     """Why t's values are not the bytes its storage holds at its offsets, or None: a tensor subclass that
     dispatches its own ops (a FakeTensor, a DTensor, whose storage is not its values), a nested tensor, or
-    a storage freed or shrunk under it (FSDP frees a parameter's storage between uses), which would be
-    read past its end."""
+    a storage freed or shrunk under it (storage_shortfall)."""
     if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
         return f"is a {type(t).__name__}, whose storage does not hold its values; push plain tensors"
     if t.is_nested:
         return "is a nested tensor; push one tensor per weight"
-    if t.numel() == 0:
+    return storage_shortfall(t)
+
+
+def storage_shortfall(t: torch.Tensor) -> str | None:
+    """Why t's storage does not hold every byte t reaches, or None: freed (FSDP frees a parameter's
+    between uses) or shrunk since t was made, and read at its address, it would be read past its end."""
+    if t.is_contiguous():
+        need = t.storage_offset() * t.element_size() + t.nbytes
+    elif t.numel() == 0:
         return None
+    else:
+        last = t.storage_offset() + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
+        need = (last + 1) * t.element_size()
     try:
         storage = t.untyped_storage()
         have, address = storage.nbytes(), storage.data_ptr()
     except (RuntimeError, NotImplementedError, TypeError) as e:
         return f"has no storage that can be read ({e})"
-    last = t.storage_offset() + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
-    need = (last + 1) * t.element_size()
-    if address == 0 or need > have or min(t.stride(), default=0) < 0:
+    if need > have or (address == 0 and need > 0):
         return (f"reaches byte {need} of its storage, which holds {have} (freed or resized since it was made?); "
                 "push tensors whose storage holds them")
     return None
