@@ -307,7 +307,8 @@ MUTANTS: list[Mutant] = [
     # --- adapter_config.py: layers_to_transform by PEFT's rule, residual inits ---
     M("adapter_config.whole-name-restricted", "adapter_config.py",
       "if isinstance(self.target_modules, frozenset) and module in self.target_modules:\n            return True\n",
-      "if False:\n            return True\n", "a module target_modules names whole is refused outside layers_to_transform, which PEFT serves"),
+      "if False:\n            return True\n",
+      "a module target_modules names whole is refused outside layers_to_transform, which PEFT serves"),
     M("adapter_config.empty-layers-restrict", "adapter_config.py", "if not self.layers_to_transform:\n",
       "if self.layers_to_transform is None:\n", "an empty layers_to_transform refuses every module"),
     M("adapter_config.layer-index-first-word", "adapter_config.py", "if dot > len(parts[0])", "if dot >= 0",
