@@ -258,7 +258,7 @@ def _layers(v: object) -> tuple[int, ...] | None:
 
 
 def _layer_patterns(v: object) -> tuple[str, ...]:
-    if v is None:
+    if v is None or v == "" or v == []:  # PEFT's own test for "any layer pattern"
         return ()
     v = [v] if isinstance(v, str) else v
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v) or len(v) > MAX_KEYS:
@@ -271,4 +271,4 @@ def _layer_patterns(v: object) -> tuple[str, ...]:
         if patterns.alternates_outside_groups(pattern):  # PEFT pastes it into a regex, which | would split
             raise ValueError(f"layers_pattern {_short(pattern)} alternates outside a group, which PEFT reads as "
                              "alternatives to its whole layer regex; put them in a group")
-    return tuple(x for x in v if x)
+    return tuple(v)  # an empty one in a list matches only an empty word, as in PEFT
