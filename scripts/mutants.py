@@ -292,8 +292,6 @@ MUTANTS: list[Mutant] = [
       "elif op not in (C.LITERAL, C.NOT_LITERAL, C.ANY, C.IN, C.AT):",
       "elif op in (C.MAX_REPEAT, C.MIN_REPEAT, C.BRANCH):",
       "a repeat inside an atomic group or a lookaround goes to re, which backtracks exponentially (a hang)"),
-    M("patterns.bar-in-class-alternates", "patterns.py", "            in_class = True\n", "",
-      "a | inside a character class of a layers_pattern is taken for an alternation and the config refused"),
 
     # --- source.py, memory.py: pushed tensors' storage ---
     M("source.storage-unchecked-at-read", "source.py", "why = storage_shortfall(t)  #", "why = None  #",
@@ -311,10 +309,13 @@ MUTANTS: list[Mutant] = [
       "a module target_modules names whole is refused outside layers_to_transform, which PEFT serves"),
     M("adapter_config.empty-layers-restrict", "adapter_config.py", "if not self.layers_to_transform:\n",
       "if self.layers_to_transform is None:\n", "an empty layers_to_transform refuses every module"),
-    M("adapter_config.layer-index-first-word", "adapter_config.py", "if dot > len(parts[0])", "if dot >= 0",
-      "the layer index is read from the second dotted word, where PEFT wants two words before it"),
-    M("adapter_config.layers-pattern-ignored", "adapter_config.py", "if not self.layers_pattern:",
-      "if True:", "layers_pattern is ignored: the index after another word restricts the layers"),
+    M("adapter_config.layer-index-any-word", "adapter_config.py", r'r".*?\.[^.]*\.(?P<idx>\d+)\."',
+      r'r".*?\.(?P<idx>\d+)\."', "the layer index is read after one dotted word, where PEFT wants two"),
+    M("adapter_config.layers-pattern-ignored", "adapter_config.py", "self.layers_pattern or (None,)",
+      "(None,)", "layers_pattern is ignored: the index after another word restricts the layers"),
+    M("adapter_config.parameters-restricted", "adapter_config.py",
+      "if self.target_parameters and _names(self.target_parameters, module):", "if False:",
+      "stacked experts' layers outside layers_to_transform are refused, which PEFT's target_parameters serve"),
     M("adapter_config.lora-ga-served", "adapter_config.py", "\"loftq\", \"lora_ga\")", "\"loftq\")",
       "a LoRA-GA adapter is served on an unchanged base, off by scaling * B0 A0"),
 

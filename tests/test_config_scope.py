@@ -74,8 +74,7 @@ NAMES = [f"model.layers.{i}.{PARTS[m]}.{m}" for i in (0, 1, 2, 10) for m in ("q_
     dict(target_modules=["q_proj", "v_proj", "down_proj", "gate_proj"], layers_to_transform=1),
     dict(target_modules=["q_proj", "v_proj"], layers_to_transform=[1, 2], layers_pattern="h"),
     dict(target_modules=["q_proj", "v_proj"], layers_to_transform=[1], layers_pattern=["decoder.layers", "layers"]),
-    dict(target_modules=["q_proj"], layers_to_transform=[2], layers_pattern="(layers|q_proj)"),
-], ids=["a-name-whole", "empty", "an-int", "a-pattern", "patterns-in-order", "a-pattern-matching-twice"])
+], ids=["a-name-whole", "empty", "an-int", "a-pattern", "patterns-in-order"])
 def test_which_modules_a_config_takes_is_peft_own_rule(lora):
     """layers_to_transform restricts only modules target_modules takes by a dotted suffix, at the layer index
     PEFT reads (the first after two words, or after a layers_pattern): name by name against PEFT's own rule."""
@@ -107,20 +106,41 @@ def test_layers_to_transform_with_a_target_modules_regex_is_refused_as_peft_refu
         check_adapter_file(SPEC, "ad", path)
 
 
-@pytest.mark.parametrize("pattern", ["layers|h", r"(x)|\(layers", "[|]|layers"])
-def test_a_layers_pattern_alternating_outside_a_group_is_refused(tmp_path, pattern):
-    """PEFT pastes layers_pattern into its own regex, which a | outside a group splits whole."""
+PATTERN_NAMES = [*NAMES, "model.layers.0.mlp.layers.1.q_proj", "model.h.1.blocks.0.q_proj", "layers.3.q_proj",
+                 "model.layers.٣.q_proj", "model.(layers).1.q_proj", "x.h|x.2.q_proj", "model.layers.2.h.1.q_proj"]
+
+
+@pytest.mark.parametrize("pattern", ["layers", "h", "h|x", r"layers\.", "^layers", r"\Alayers", "layers$", r"layers\Z",
+                                     "(?#()layers", r"\(layers\)", "[|]", "(h|x)", "", ".", "model.layers", r"\d"])
+def test_a_layers_pattern_takes_the_layer_index_peft_does(pattern):
+    """PEFT pastes layers_pattern into its own regex; so is it here, for patterns that neither repeat nor
+    alternate: anchors, comments, a | a class collapses, Unicode digits all read as in PEFT."""
+    lora = dict(target_modules=["q_proj"], layers_to_transform=[1, 2], layers_pattern=[pattern])
+    config = parse_config({"peft_type": "LORA", **lora})
+    for name in PATTERN_NAMES:
+        want = bool(check_target_module_exists(LoraConfig(**lora), name))
+        assert (config.targets(name) and config.transforms_layer(name)) == want, name
+
+
+@pytest.mark.parametrize("pattern", [".*layers", "[\\w.]+", ".+", "layers|h", "(ab|b)", "x{2}"])
+def test_a_layers_pattern_that_repeats_or_alternates_is_refused(tmp_path, pattern):
+    """PEFT's layer regex around such a pattern backtracks, and which index it finds follows re's own order."""
     _, path = make_adapter(tmp_path, target_modules=["q_proj"])
     config = path / "adapter_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "layers_to_transform": [0],
                                   "layers_pattern": pattern}))
-    with pytest.raises(ValueError, match=r"adapter 'ad' \(.*adapter_config\.json\): layers_pattern .* alternates "
-                                         "outside a group"):
+    with pytest.raises(ValueError, match=r"adapter 'ad' \(.*adapter_config\.json\): layers_pattern .* cannot be "
+                                         "matched: it repeats or alternates"):
         check_adapter_file(SPEC, "ad", path)
 
 
-@pytest.mark.parametrize("pattern", ["(layers|h)", r"lay\|ers", "[|]layers", "[]|]layers", "(?:a|b)"])
-def test_a_layers_pattern_alternating_only_inside_a_group_or_class_is_taken(pattern):
-    config = parse_config({"peft_type": "LORA", "target_modules": ["q_proj"], "layers_to_transform": [0],
-                           "layers_pattern": pattern})
-    assert config.layers_pattern == (pattern,)
+@pytest.mark.parametrize("fields", [
+    {"target_modules": ".*q_proj", "layers_pattern": ""},
+    {"target_modules": ".*q_proj", "layers_to_transform": []},
+    {"target_modules": ["q_proj"], "layers_pattern": "layers"},
+])
+def test_a_config_peft_refuses_to_load_is_refused(fields):
+    with pytest.raises(ValueError):
+        LoraConfig(**fields)
+    with pytest.raises(ValueError, match="a config PEFT refuses to load"):
+        parse_config({"peft_type": "LORA", **fields})

@@ -25,3 +25,13 @@ def test_a_layer_of_stacked_experts_at_its_own_scaling_gives_peft_delta(tmp_path
     for t in exact.a:
         assert torch.equal(cast.a[t], exact.a[t].to(torch.bfloat16)), t
         assert torch.equal(cast.b[t], exact.b[t].to(torch.bfloat16)), f"{t}: folded in float32, then cast"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_layers_to_transform_leaves_stacked_experts_in_every_layer_as_peft_does(tmp_path, family):
+    """PEFT injects target_parameters without looking at layers_to_transform: it saves every layer's experts,
+    and they are served, each layer at PEFT's delta."""
+    pm, path = stacked_adapter(tmp_path, family, layers_to_transform=[0])
+    spec, adapter = read(family, path)
+    for layer in range(2):
+        assert_deltas(adapter, spec, *peft_expert_deltas(pm, family, layer), layer, f"{family} layer {layer}")

@@ -90,3 +90,30 @@ def test_a_tensor_freed_while_its_bytes_are_read_is_refused_not_read_past_its_en
     freed(t)
     with pytest.raises(ValueError, match="a pushed tensor reaches byte 256 of its storage, which holds 0"):
         source.read_into([memoryview(bytearray(t.nbytes))], 0)
+
+
+def test_a_tensor_freed_between_two_reads_of_its_bytes_is_refused_at_the_second():
+    """A read copies a tensor in chunks and runs; its storage may go between them (a 2 MB chunk of a 64 MB
+    tensor hashed, then FSDP frees it): the second chunk is refused, never read at the old address."""
+    t = torch.arange(1 << 20, dtype=torch.float32)
+    source = TensorSource([t], [0], t.nbytes)
+    first = memoryview(bytearray(1 << 16))
+    source.read_into([first], 0)
+    assert bytes(first) == t[: 1 << 14].clone().numpy().tobytes()
+    freed(t)
+    with pytest.raises(ValueError, match="a pushed tensor reaches byte 4194304 of its storage, which holds 0"):
+        source.read_into([memoryview(bytearray(1 << 16))], 1 << 16)
+
+
+def test_a_tensor_given_other_data_after_its_read_began_is_refused():
+    """param.data = ... swaps what a tensor holds: its new bytes are not the ones the read's header lists."""
+    t = torch.nn.Parameter(torch.arange(64, dtype=torch.float32), requires_grad=False)
+    source = TensorSource([t], [0], t.nbytes)
+    source.read_into([memoryview(bytearray(64))], 0)
+    t.data = torch.zeros(128)
+    with pytest.raises(ValueError, match="a pushed tensor holds 512 bytes, not the 256 it was pushed with"):
+        source.read_into([memoryview(bytearray(64))], 64)
+    t.data = torch.ones(64)  # as large again, elsewhere: read where it is now
+    out = memoryview(bytearray(64))
+    source.read_into([out], 64)
+    assert bytes(out) == torch.ones(16).numpy().tobytes()

@@ -3,8 +3,10 @@ metadata): the rank and scaling it gives each module, and the options not served
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -27,6 +29,7 @@ UNSERVED_OPTIONS = {
     "fan_in_fan_out": "fan_in_fan_out stores factors for a transposed base weight",
 }
 # These initialisations leave a residual in the base weights that the served base lacks.
+MAX_LAYER_PATTERNS = 64  # in one layers_pattern list: PEFT's own list of common ones has a handful
 RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 
@@ -77,31 +80,36 @@ class AdapterConfig:
                                                            _names(self.target_parameters, module))
 
     def layer_of(self, module: str) -> int | None:
-        """The layer index PEFT reads from module for layers_to_transform: the first dotted word of digits
-        after two others, or where layers_pattern is given, the first right after words a pattern matches
-        (patterns in order; where one could match up to two indices, the first)."""
-        parts = module.split(".")
-        ends = [(sum(len(w) + 1 for w in parts[:i]) - 1, int(parts[i]))
-                for i in range(1, len(parts) - 1) if parts[i].isdecimal() and parts[i].isascii()]
-        if not self.layers_pattern:
-            return next((index for dot, index in ends if dot > len(parts[0])), None)
-        starts = [0, *(i + 1 for i, ch in enumerate(module) if ch == ".")]
-        for pattern in self.layers_pattern:
-            for start in starts:
-                for dot, index in ends:
-                    if dot >= start and patterns.fullmatch(pattern, module[start:dot]):
-                        return index
+        """The layer index PEFT reads from module for layers_to_transform, with PEFT's own regexes: the
+        first number after two dotted words, or one right after a layers_pattern (patterns in order)."""
+        for regex in map(_layer_regex, self.layers_pattern or (None,)):
+            match = regex.match(module)
+            if match is not None:
+                index = match.groupdict().get("idx")
+                return None if index is None else int(index)
         return None
 
     def transforms_layer(self, module: str) -> bool:
         """Whether layers_to_transform lets PEFT put LoRA on module. As in PEFT, it restricts only modules a
-        target_modules list takes by a dotted suffix: a module it names whole is taken in every layer, and
-        an empty list restricts nothing."""
+        target_modules list takes by a dotted suffix: a module it names whole is taken in every layer, an
+        empty list restricts nothing, and target_parameters are taken in every layer."""
         if not self.layers_to_transform:
             return True
         if isinstance(self.target_modules, frozenset) and module in self.target_modules:
             return True
+        if self.target_parameters and _names(self.target_parameters, module):
+            return True
         return self.layer_of(module) in self.layers_to_transform
+
+
+@functools.lru_cache(maxsize=MAX_LAYER_PATTERNS + 1)
+def _layer_regex(pattern: str | None) -> re.Pattern[str]:
+    """PEFT's regex for a layer index (check_target_module_exists), layers_pattern pasted in as PEFT pastes
+    it. Only patterns that neither repeat nor alternate are taken (_layer_patterns), so matching stays
+    polynomial in the name's length."""
+    if pattern is None:
+        return re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")
+    return re.compile(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.")
 
 
 def _names(names: frozenset[str] | str, module: str) -> bool:
@@ -170,8 +178,12 @@ def parse_config(raw: object, source: str = "adapter_config.json") -> AdapterCon
     except ValueError as e:
         problems.append(str(e))
         config = None
-    if config is not None and config.layers_to_transform is not None and isinstance(config.target_modules, str):
-        problems.append("layers_to_transform with a target_modules regex, a config PEFT refuses to load")
+    # as PEFT's LoraConfig refuses them, by the values as given
+    if isinstance(raw.get("target_modules"), str):
+        problems += [f"{k} with a target_modules regex, a config PEFT refuses to load"
+                     for k in ("layers_to_transform", "layers_pattern") if raw.get(k) is not None]
+    if raw.get("layers_pattern") and raw.get("layers_to_transform") is None:
+        problems.append("layers_pattern without layers_to_transform, a config PEFT refuses to load")
     if problems:
         raise ValueError("; ".join(problems))
     return config
@@ -261,14 +273,17 @@ def _layer_patterns(v: object) -> tuple[str, ...]:
     if v is None or v == "" or v == []:  # PEFT's own test for "any layer pattern"
         return ()
     v = [v] if isinstance(v, str) else v
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v) or len(v) > MAX_KEYS:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
         raise ValueError("layers_pattern is not a pattern or a list of them")
+    if len(v) > MAX_LAYER_PATTERNS:
+        raise ValueError(f"layers_pattern lists {len(v)} patterns, over {MAX_LAYER_PATTERNS}")
     for pattern in v:
         try:
-            patterns.check_pattern(pattern)
+            if patterns.check_pattern(pattern):
+                raise ValueError("it repeats or alternates, and PEFT's layer regex around it would then backtrack")
+            _layer_regex(pattern)
+        except re.error as e:  # valid alone, but not pasted into PEFT's regex
+            raise ValueError(f"layers_pattern {_short(pattern)} cannot be matched: {e}") from None
         except ValueError as e:
             raise ValueError(f"layers_pattern {_short(pattern)} cannot be matched: {e}") from None
-        if patterns.alternates_outside_groups(pattern):  # PEFT pastes it into a regex, which | would split
-            raise ValueError(f"layers_pattern {_short(pattern)} alternates outside a group, which PEFT reads as "
-                             "alternatives to its whole layer regex; put them in a group")
     return tuple(v)  # an empty one in a list matches only an empty word, as in PEFT

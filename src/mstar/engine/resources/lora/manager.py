@@ -330,10 +330,10 @@ class LoraManager:
             for v in failed:
                 errors[v.key] = failures.get(v.key) or ValueError(reasons.get(v.key, f"adapter {v.name!r} "
                                                                                    f"({v.path}): its read failed"))
-                self.registry.fail(v, errors[v.key])
                 for s in self.stores.values():
                     s.drop(v.key)
-                with self._lock:
+                with self._lock:  # a reload registered meanwhile from another thread is not failed with it
+                    self.registry.fail(v, errors[v.key])
                     entry = self._entries.get(v.key)
                     if entry is not None:
                         entry.error = None  # told: the name is refused now, until it is registered again

@@ -64,6 +64,8 @@ def _unreadable(t: object) -> str | None:
     """Why a pushed value cannot be read as a tensor of a safetensors file, or None."""
     if not isinstance(t, torch.Tensor):
         return f"is a {type(t).__name__}, not a tensor"
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+        return "is uninitialized (a lazy module's, before its first forward)"
     if t.layout != torch.strided:
         return f"is a {t.layout} tensor; push dense ones (.to_dense())"
     if t.is_nested:

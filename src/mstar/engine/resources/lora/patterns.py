@@ -57,29 +57,6 @@ def check_key(key: str) -> int:
     return 0 if nfa is None else len(nfa.states)
 
 
-def alternates_outside_groups(text: str) -> bool:
-    """Whether text has a | outside every group and class (a|b), which a regex text pasted into another
-    splits the whole of."""
-    depth, i, in_class = 0, 0, False
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 1
-        elif in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-            i += 1 + (text[i + 1 : i + 2] == "^")
-            i += text[i : i + 1] == "]"  # a ] first in a class is one of its characters
-            continue
-        elif ch in "()":
-            depth += 1 if ch == "(" else -1
-        elif ch == "|" and depth == 0:
-            return True
-        i += 1
-    return False
-
-
 def fullmatch(pattern: str, name: str) -> bool:
     """re.fullmatch(pattern, name), in bounded time."""
     return _matches(pattern, pattern, name, True)

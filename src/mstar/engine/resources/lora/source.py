@@ -85,12 +85,15 @@ class FileSource:
 class TensorSource:
     """Pushed tensors at the offsets their header lists them at (starts, in that order), read as a file
     holding them would be. Gaps between them read as zeros. The tensors are read, never written; one
-    that is not a contiguous CPU tensor is copied into one when first read."""
+    that is not a contiguous CPU tensor is copied into one when first read. One read in place is looked
+    at anew each time its bytes are read (a read copies them in chunks and runs): its storage may have
+    been freed, moved or swapped meanwhile, and its old address would then be other memory."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], starts: Sequence[int], size: int) -> None:
         self._tensors, self._starts, self.size = list(tensors), list(starts), size
-        self._bytes: dict[int, memoryview] = {}  # each tensor's memory as bytes, for those read so far
-        self._kept: list[torch.Tensor] = []  # copies made of tensors that were not contiguous CPU ones
+        self._nbytes = [t.nbytes for t in self._tensors]  # as they were pushed
+        self._copies: dict[int, memoryview] = {}  # copies made of tensors that were not contiguous CPU ones
+        self._kept: list[torch.Tensor] = []
 
     def read_into(self, views: list[memoryview], at: int) -> None:
         for v in views:
@@ -98,16 +101,20 @@ class TensorSource:
             at += len(v)
 
     def _memory(self, i: int) -> memoryview:
-        if i not in self._bytes:
-            t = self._tensors[i]
-            why = storage_shortfall(t)  # again: its storage may have been freed since it was pushed
-            if why:
-                raise ValueError(f"a pushed tensor {why}")
-            if t.device.type != "cpu" or not t.is_contiguous():
-                t = t.contiguous().cpu()
-                self._kept.append(t)
-            self._bytes[i] = _bytes_of(t.data_ptr(), t.numel() * t.element_size())
-        return self._bytes[i]
+        if i in self._copies:
+            return self._copies[i]
+        t = self._tensors[i]
+        why = storage_shortfall(t)
+        if why is None and t.nbytes != self._nbytes[i]:
+            why = f"holds {t.nbytes} bytes, not the {self._nbytes[i]} it was pushed with"
+        if why:
+            raise ValueError(f"a pushed tensor {why}")
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.contiguous().cpu()
+            self._kept.append(t)
+            self._copies[i] = _bytes_of(t.data_ptr(), t.nbytes)
+            return self._copies[i]
+        return _bytes_of(t.data_ptr(), t.nbytes)
 
     def _fill(self, view: memoryview, at: int) -> None:
         stop = at + len(view)
