@@ -315,7 +315,8 @@ MUTANTS: list[Mutant] = [
       "(None,)", "layers_pattern is ignored: the index after another word restricts the layers"),
     M("adapter_config.parameters-restricted", "adapter_config.py",
       "if self.target_parameters and _names(self.target_parameters, module):", "if False:",
-      "stacked experts' layers outside layers_to_transform are refused, which PEFT's target_parameters serve"),
+      "stacked experts' layers outside layers_to_transform are refused, which PEFT's target_parameters serve",
+      tests=(f"{T}expert_folds.py",)),
     M("adapter_config.lora-ga-served", "adapter_config.py", "\"loftq\", \"lora_ga\")", "\"loftq\")",
       "a LoRA-GA adapter is served on an unchanged base, off by scaling * B0 A0"),
 
