@@ -294,7 +294,7 @@ MUTANTS: list[Mutant] = [
       "a repeat inside an atomic group or a lookaround goes to re, which backtracks exponentially (a hang)"),
 
     # --- source.py, memory.py: pushed tensors' storage ---
-    M("source.storage-unchecked-at-read", "source.py", "why = storage_shortfall(t)  #", "why = None  #",
+    M("source.storage-unchecked-at-read", "source.py", "why = storage_shortfall(t)\n", "why = None\n",
       "a tensor freed after its push is read at its old address (other memory, or a SIGSEGV)"),
     M("source.view-offset-ignored", "source.py", "need = t.storage_offset() * t.element_size() + t.nbytes",
       "need = t.nbytes", "a view into a shrunk storage is read past the storage's end"),
