@@ -1,7 +1,7 @@
 """Fingerprints of the bytes a read copies, so a read with a digest need not hash every byte again.
 
-The first read of an adapter under its digest hashes every byte (BLAKE3, a snapshot of them, as
-digest.py says) and, from the very bytes that hashed, takes a fingerprint of each run the plan reads:
+The first read of an adapter under its digest hashes every byte (BLAKE3, as digest.py says) and, from
+the very bytes that hashed, where they landed, takes a fingerprint of each run the plan reads:
 xxHash's XXH3, keyed by a seed drawn once per process, at many GB/s a core. A later read under that
 digest and plan (after an eviction, say) reads only its own runs, fingerprints them where they landed,
 and is refused if any differs. So every rank checks only its share, and what is served is still what
@@ -17,11 +17,9 @@ every read with BLAKE3.
 
 from __future__ import annotations
 
-import ctypes
 import os
 from collections.abc import Sequence
 
-import torch
 import xxhash
 
 SEED = int.from_bytes(os.urandom(8), "little")  # per process: fingerprints are never shared or stored
@@ -29,12 +27,6 @@ SEED = int.from_bytes(os.urandom(8), "little")  # per process: fingerprints are 
 
 def fingerprint(data: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data, SEED)
-
-
-def of_runs(snapshot: torch.Tensor, runs: Sequence[tuple[int, int]]) -> tuple[int, ...]:
-    """Each run's fingerprint, from a snapshot of the file (its bytes at their file offsets)."""
-    view = memoryview((ctypes.c_char * snapshot.numel()).from_address(snapshot.data_ptr())).cast("B")
-    return tuple(fingerprint(view[at : at + n]) for at, n in runs)
 
 
 def of_parts(parts: Sequence[memoryview]) -> int:

@@ -68,8 +68,6 @@ def _unreadable(t: object) -> str | None:
         return "is uninitialized (a lazy module's, before its first forward)"
     if t.layout != torch.strided:
         return f"is a {t.layout} tensor; push dense ones (.to_dense())"
-    if t.is_nested:
-        return "is a nested tensor; push one tensor per weight"
     if t.is_meta or t.device.type == "meta":
         return "is a meta tensor, which holds no values"
     if t.dtype not in _NAMES:
@@ -81,8 +79,8 @@ def _unreadable(t: object) -> str | None:
 
 @functools.lru_cache(maxsize=64)  # pushes of one adapter's new weights share it, and what is derived from it
 def _header(listing: tuple[tuple[str, str, tuple[int, ...]], ...]) -> Header:
-    # Offsets as a buffer holding every tensor would have them, each aligned for any dtype: a snapshot of
-    # the tensors (reader.snapshot) is laid out by them.
+    # Offsets as a buffer holding every tensor would have them, each aligned for any dtype: TensorSource
+    # reads the tensors at them.
     entries, at = {}, 0
     for key, dtype, shape in listing:
         n = DTYPES[dtype].itemsize * math.prod(shape)

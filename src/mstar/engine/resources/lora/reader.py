@@ -1,7 +1,7 @@
 """An adapter copied into this rank's slot layout from any source, as its plan says.
 
-The reads (preadv from a file, many tensors a call, no page faults on it; a copy from pushed tensors or
-a snapshot) are shared in batches by this thread and the reader threads; two threads copy out of the
+The reads (preadv from a file, many tensors a call, no page faults on it; a copy from pushed tensors)
+are shared in batches by this thread and the reader threads; two threads copy out of the
 page cache about 1.15x faster than one here. Where fingerprints are given, each run is fingerprinted
 where it landed before anything is laid out from it. Then the staged bytes move into their places:
 padded, cut to a shard, cast, and scaled where a module's own scaling folds into its B.
@@ -10,7 +10,6 @@ padded, cut to a shard, cast, and scaled where a module's own scaling folds into
 from __future__ import annotations
 
 import bisect
-import ctypes
 import math
 import os
 from collections import deque
@@ -24,9 +23,9 @@ from . import fingerprint
 from .experts import stacked_widths
 from .host_memory import HostBuffers
 from .layout import SlotLayout
-from .plan import Batch, Folds, Piece, Plan, Read, Stacked
+from .plan import Folds, Piece, Plan, Read, Stacked
 from .safetensors_header import TensorEntry
-from .source import Source
+from .source import Source, memory_at
 from .spec import as_linear
 
 READ_THREADS = min(4, os.cpu_count() or 1)
@@ -50,7 +49,7 @@ def read_layout(p: Plan, folds: Folds, source: Source, buffers: HostBuffers, sta
     landing = land(p, buffers, staging)
     if not source.unchanged():
         raise ValueError("the file changed size since its header was read")
-    read(source, [(landing.memory[0], p.batches), (landing.memory[1], p.staged_batches)], expected)
+    read(source, landed_runs(p, landing), expected)
     return lay_out(p, landing, folds)
 
 
@@ -88,26 +87,33 @@ class Scatter:
             i += 1
 
 
+LandedRun = tuple[int, list[memoryview]]  # a run's offset in the source, and the memory its parts land in
+
+
+def landed_runs(p: Plan, landing: Landing) -> list[list[LandedRun]]:
+    """p's batches of runs (direct ones, then staged: the order of p.runs()), each part as the memory it
+    lands in."""
+    out = []
+    for memory, batches in zip(landing.memory, (p.batches, p.staged_batches), strict=True):
+        view = memory_at(memory.data_ptr(), memory.numel())
+        out += [[(at, [view[to : to + n] for to, n in parts]) for at, parts in b] for b in batches]
+    return out
+
+
 def landing_ranges(p: Plan, landing: Landing) -> list[tuple[int, int, memoryview]]:
     """Every piece p reads, as (its offset in the source, its length, where it lands)."""
     out = []
-    for memory, batches in zip(landing.memory, (p.batches, p.staged_batches), strict=True):
-        view = _bytes(memory)
-        for b in batches:
-            for at, parts in b:
-                for to, n in parts:
-                    out.append((at, n, view[to : to + n]))
-                    at += n
+    for batch in landed_runs(p, landing):
+        for at, views in batch:
+            for v in views:
+                out.append((at, len(v), v))
+                at += len(v)
     return out
 
 
 def fingerprints(p: Plan, landing: Landing) -> tuple[int, ...]:
     """Each run of p's fingerprint, from where it landed (before anything is laid out from it)."""
-    out = []
-    for memory, batches in zip(landing.memory, (p.batches, p.staged_batches), strict=True):
-        view = _bytes(memory)
-        out += [fingerprint.of_parts([view[to : to + n] for to, n in parts]) for b in batches for _, parts in b]
-    return tuple(out)
+    return tuple(fingerprint.of_parts(views) for batch in landed_runs(p, landing) for _, views in batch)
 
 
 def lay_out(p: Plan, landing: Landing, folds: Folds) -> dict[str, torch.Tensor]:
@@ -146,11 +152,6 @@ def _typed_at(buf: torch.Tensor, at: int, nbytes: int, dtype: torch.dtype) -> to
     if raw.data_ptr() % dtype.itemsize:
         raw = raw.clone()
     return raw.view(dtype)
-
-
-def _bytes(memory: torch.Tensor) -> memoryview:
-    """A plain view of a uint8 tensor's bytes; the tensor, which the caller holds, owns them."""
-    return memoryview((ctypes.c_char * memory.numel()).from_address(memory.data_ptr())).cast("B")
 
 
 def _fold_whole(views: Views, whole: dict[str, float]) -> None:
@@ -239,18 +240,14 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.view(unit).copy_(src.view(unit))
 
 
-def read(source: Source, work: list[tuple[torch.Tensor, tuple[Batch, ...]]],
-         expected: Sequence[int] | None = None) -> None:
+def read(source: Source, batches: list[list[LandedRun]], expected: Sequence[int] | None = None) -> None:
     """Every batch read from source into its memory by whichever of this thread and the reader threads is
-    free; with expected, each run's fingerprint (in batch order, work's first memory then its second)
-    checked where the run landed."""
+    free; with expected, each run's fingerprint (in batch order) checked where the run landed."""
     queue: deque = deque()
     index = 0
-    for memory, batches in work:
-        view = _bytes(memory)
-        for b in batches:
-            queue.append([(index + i, at, [view[to : to + n] for to, n in parts]) for i, (at, parts) in enumerate(b)])
-            index += len(b)
+    for b in batches:
+        queue.append([(index + i, at, views) for i, (at, views) in enumerate(b)])
+        index += len(b)
     helpers = [_READERS.submit(_drain, source, queue, expected) for _ in range(min(READ_THREADS - 1, len(queue)))]
     try:
         _drain(source, queue, expected)

@@ -1,4 +1,4 @@
-"""Where a read's bytes come from: a file opened once, pushed tensors, or a snapshot in memory.
+"""Where a read's bytes come from: a file opened once, or pushed tensors.
 
 Each is read the same way, read_into(views, at) filling memory from a byte offset, so the reader
 follows one plan over any of them. A file is opened once per read: its header, its hash and its copy
@@ -112,9 +112,9 @@ class TensorSource:
         if t.device.type != "cpu" or not t.is_contiguous():
             t = t.contiguous().cpu()
             self._kept.append(t)
-            self._copies[i] = _bytes_of(t.data_ptr(), t.nbytes)
+            self._copies[i] = memory_at(t.data_ptr(), t.nbytes)
             return self._copies[i]
-        return _bytes_of(t.data_ptr(), t.nbytes)
+        return memory_at(t.data_ptr(), t.nbytes)
 
     def _fill(self, view: memoryview, at: int) -> None:
         stop = at + len(view)
@@ -142,8 +142,9 @@ class TensorSource:
         return True
 
 
-def _bytes_of(address: int, n: int) -> memoryview:
-    """n bytes of memory at address, as a writable-by-nobody view (the memory's owner keeps it alive)."""
+def memory_at(address: int, n: int) -> memoryview:
+    """n bytes of memory at address as a plain view, written only by whoever the caller lets (the memory's
+    owner, which the caller holds, keeps it alive)."""
     return memoryview((ctypes.c_char * n).from_address(address)).cast("B") if n else memoryview(b"")
 
 
