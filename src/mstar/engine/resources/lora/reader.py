@@ -100,10 +100,10 @@ def landed_runs(p: Plan, landing: Landing) -> list[list[LandedRun]]:
     return out
 
 
-def landing_ranges(p: Plan, landing: Landing) -> list[tuple[int, int, memoryview]]:
-    """Every piece p reads, as (its offset in the source, its length, where it lands)."""
+def landing_ranges(runs: list[list[LandedRun]]) -> list[tuple[int, int, memoryview]]:
+    """Every part of runs, as (its offset in the source, its length, where it lands)."""
     out = []
-    for batch in landed_runs(p, landing):
+    for batch in runs:
         for at, views in batch:
             for v in views:
                 out.append((at, len(v), v))
@@ -111,9 +111,9 @@ def landing_ranges(p: Plan, landing: Landing) -> list[tuple[int, int, memoryview
     return out
 
 
-def fingerprints(p: Plan, landing: Landing) -> tuple[int, ...]:
-    """Each run of p's fingerprint, from where it landed (before anything is laid out from it)."""
-    return tuple(fingerprint.of_parts(views) for batch in landed_runs(p, landing) for _, views in batch)
+def fingerprints(runs: list[list[LandedRun]]) -> tuple[int, ...]:
+    """Each run's fingerprint, from where it landed (before anything is laid out from it)."""
+    return tuple(fingerprint.of_parts(views) for batch in runs for _, views in batch)
 
 
 def lay_out(p: Plan, landing: Landing, folds: Folds) -> dict[str, torch.Tensor]:

@@ -34,7 +34,7 @@ from .host_memory import HostBuffers
 from .layout import SlotLayout
 from .memory import tensor_checkpoint
 from .plan import Folds, Plan, host_bytes, plan
-from .reader import Scatter, fingerprints, land, landing_ranges, lay_out, read_layout
+from .reader import Scatter, fingerprints, land, landed_runs, landing_ranges, lay_out, read_layout
 from .spec import LoraSpec
 
 _HASHER = ThreadPoolExecutor(1, thread_name_prefix="mstar-lora-digest")
@@ -278,7 +278,8 @@ class LoraAdapterStore:
                 raise ValueError(_changed(ckpt, str(e))) from None
         landing = land(p, self._buffers, self._staging)
         alphas = [(e.start, e.nbytes, memoryview(bytearray(e.nbytes))) for e in ckpt.alpha_entries(conv)]
-        visit = Scatter([*landing_ranges(p, landing), *alphas])
+        runs = landed_runs(p, landing)
+        visit = Scatter([*landing_ranges(runs), *alphas])
         source = ckpt.data
         if ckpt.tensors is None and source.read(len(ckpt.header.prefix), 0) != ckpt.header.prefix:
             raise ValueError("its header changed since it was read: the file was rewritten in place")
@@ -288,7 +289,7 @@ class LoraAdapterStore:
         if found != digest:
             raise ValueError(f"its weights digest to {found.hex()[:16]}, not the {digest.hex()[:16]} it was "
                              f"checked with: {_changed(ckpt)}")
-        prints = fingerprints(p, landing)  # before anything is laid out over the runs (folds write in place)
+        prints = fingerprints(runs)  # before anything is laid out over the runs (folds write in place)
         folds = p.folds(hashed.scalings(conv))
         blocks = lay_out(p, landing, folds)
         with self._lock:
