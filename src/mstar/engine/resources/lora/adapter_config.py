@@ -282,8 +282,6 @@ def _layer_patterns(v: object) -> tuple[str, ...]:
             if patterns.check_pattern(pattern):
                 raise ValueError("it repeats or alternates, and PEFT's layer regex around it would then backtrack")
             _layer_regex(pattern)
-        except re.error as e:  # valid alone, but not pasted into PEFT's regex
-            raise ValueError(f"layers_pattern {_short(pattern)} cannot be matched: {e}") from None
-        except ValueError as e:
+        except (ValueError, re.error) as e:  # re.error: valid alone, but not pasted into PEFT's regex
             raise ValueError(f"layers_pattern {_short(pattern)} cannot be matched: {e}") from None
     return tuple(v)  # an empty one in a list matches only an empty word, as in PEFT

@@ -43,17 +43,18 @@ def check_pattern(text: str) -> int:
     """The states a target_modules or exclude_modules regex unfolds to (0 for one re matches alone); a
     ValueError saying why it cannot be matched here: not a regex, too long, or using what a set of states
     cannot follow (back references, lookarounds)."""
-    if len(text) > MAX_PATTERN:
-        raise ValueError(f"a pattern of {len(text)} characters, over {MAX_PATTERN}")
-    nfa = _compiled(text, text)[1]
-    return 0 if nfa is None else len(nfa.states)
+    return _states(text, text)
 
 
 def check_key(key: str) -> int:
     """check_pattern for a rank_pattern / alpha_pattern key, as PEFT's rule wraps it."""
-    if len(key) > MAX_PATTERN:
-        raise ValueError(f"a pattern of {len(key)} characters, over {MAX_PATTERN}")
-    nfa = _compiled(_peft(key), key)[1]
+    return _states(_peft(key), key)
+
+
+def _states(pattern: str, own: str) -> int:
+    if len(own) > MAX_PATTERN:
+        raise ValueError(f"a pattern of {len(own)} characters, over {MAX_PATTERN}")
+    nfa = _compiled(pattern, own)[1]
     return 0 if nfa is None else len(nfa.states)
 
 
