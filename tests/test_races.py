@@ -37,6 +37,40 @@ def same(x, y) -> bool:
     return set(x.a) == set(y.a) and all(torch.equal(x.a[t], y.a[t]) and torch.equal(x.b[t], y.b[t]) for t in x.a)
 
 
+def race(disturb, read, right, seed: int, least: int, most: int, seconds: float = 0, refused: str = "") -> None:
+    """read(i) called while disturb(rng) runs over and over on a thread, for seconds and at least least
+    times, at most most: every read that returns is right, every refusal a ValueError saying refused, and
+    both happen (else the race was not run)."""
+    stop, outcomes, wrong = threading.Event(), {"served": 0, "refused": 0}, []
+
+    def disturbing():
+        rng = random.Random(seed)
+        while not stop.is_set():
+            disturb(rng)
+
+    t = threading.Thread(target=disturbing)
+    t.start()
+    try:
+        deadline = time.monotonic() + seconds
+        for i in range(most):
+            if i >= least and time.monotonic() >= deadline:
+                break
+            try:
+                got = read(i)
+            except ValueError as e:
+                assert refused in str(e)
+                outcomes["refused"] += 1
+                continue
+            outcomes["served"] += 1
+            if not right(got):
+                wrong.append(got)
+    finally:
+        stop.set()
+        t.join()
+    assert not wrong, f"{len(wrong)} reads served other weights under the digest ({outcomes})"
+    assert outcomes["served"] and outcomes["refused"], f"the race was not run: {outcomes}"
+
+
 @pytest.fixture(scope="module")
 def versions(tmp_path_factory):
     """Two versions of one adapter, same shapes and config, other weights: (path served, v1, v2, d1, and each
@@ -138,48 +172,28 @@ def test_reads_racing_renames_and_rewrites_serve_the_checked_weights_or_refuse(v
     served, v1, v2, d1, layouts = versions
     old, new = (v1 / WEIGHTS).read_bytes(), (v2 / WEIGHTS).read_bytes()
     s = store()
-    stop, outcomes, wrong = threading.Event(), {"v1": 0, "refused": 0}, []
 
-    def writer():
-        rng = random.Random(0)
-        while not stop.is_set():
-            tmp = served / f"w{rng.random()}.tmp"
-            tmp.write_bytes(new if rng.random() < 0.5 else old)
-            time.sleep(rng.random() * 2e-3)
-            if rng.random() < 0.5:
-                os.replace(tmp, served / WEIGHTS)
-            else:  # in place, torn on purpose: the first half only, then the rest
-                data = tmp.read_bytes()
-                tmp.unlink()
-                with open(served / WEIGHTS, "r+b") as f:
-                    f.write(data[: len(data) // 2])
-                    f.flush()
-                    time.sleep(rng.random() * 1e-3)
-                    f.write(data[len(data) // 2 :])
-            time.sleep(rng.random() * 2e-3)
+    def writer(rng):
+        tmp = served / f"w{rng.random()}.tmp"
+        tmp.write_bytes(new if rng.random() < 0.5 else old)
+        time.sleep(rng.random() * 2e-3)
+        if rng.random() < 0.5:
+            os.replace(tmp, served / WEIGHTS)
+        else:  # in place, torn on purpose: the first half only, then the rest
+            data = tmp.read_bytes()
+            tmp.unlink()
+            with open(served / WEIGHTS, "r+b") as f:
+                f.write(data[: len(data) // 2])
+                f.flush()
+                time.sleep(rng.random() * 1e-3)
+                f.write(data[len(data) // 2 :])
+        time.sleep(rng.random() * 2e-3)
 
-    t = threading.Thread(target=writer)
-    t.start()
     try:
-        deadline = time.monotonic() + 6
-        while time.monotonic() < deadline or sum(outcomes.values()) < 500:
-            try:
-                got = s.read("ad", served, d1)
-            except ValueError:
-                outcomes["refused"] += 1
-                continue
-            if same(got, layouts[v1]):
-                outcomes["v1"] += 1
-            else:
-                wrong.append(got)
-            if sum(outcomes.values()) > 3000:
-                break
+        race(writer, lambda i: s.read("ad", served, d1), lambda got: same(got, layouts[v1]), seed=0, least=500,
+             most=3001, seconds=6)
     finally:
-        stop.set()
-        t.join()
         restore(served, v1)
-    assert not wrong, f"{len(wrong)} reads served other weights under v1's digest ({outcomes})"
-    assert outcomes["v1"] and outcomes["refused"], f"the race was not run: {outcomes}"
 
 
 def test_pushed_tensors_stepped_during_reads_serve_the_pushed_weights_or_refuse(tmp_path):
@@ -192,36 +206,17 @@ def test_pushed_tensors_stepped_during_reads_serve_the_pushed_weights_or_refuse(
     digest = check_adapter_tensors(SPEC, "ad", tensors, config)
     s = store()
     want = s.read_tensors("ad", tensors, config, digest)
-    stop, outcomes, wrong = threading.Event(), {"pushed": 0, "refused": 0}, []
 
-    def optimizer():
-        rng = random.Random(1)
-        while not stop.is_set():
-            for k in rng.sample(sorted(tensors), 3):
-                tensors[k].mul_(1.01)
-            time.sleep(rng.random() * 1e-3)
-            for k, v in original.items():
-                tensors[k].copy_(v)
-            time.sleep(rng.random() * 1e-3)
+    def optimizer(rng):
+        for k in rng.sample(sorted(tensors), 3):
+            tensors[k].mul_(1.01)
+        time.sleep(rng.random() * 1e-3)
+        for k, v in original.items():
+            tensors[k].copy_(v)
+        time.sleep(rng.random() * 1e-3)
 
-    t = threading.Thread(target=optimizer)
-    t.start()
-    try:
-        for _ in range(1500):
-            try:
-                got = s.read_tensors("ad", tensors, config, digest)
-            except ValueError as e:
-                assert "the tensors changed since they were pushed" in str(e)
-                outcomes["refused"] += 1
-                continue
-            outcomes["pushed"] += 1
-            if not same(got, want):
-                wrong.append(got)
-    finally:
-        stop.set()
-        t.join()
-    assert not wrong, f"{len(wrong)} reads served other weights under the push's digest ({outcomes})"
-    assert outcomes["pushed"] and outcomes["refused"], f"the race was not run: {outcomes}"
+    race(optimizer, lambda i: s.read_tensors("ad", tensors, config, digest), lambda got: same(got, want), seed=1,
+         least=1500, most=1500, refused="the tensors changed since they were pushed")
 
 
 def test_a_negative_view_pushed_serves_its_values(tmp_path):
@@ -305,32 +300,15 @@ def test_alpha_tensors_rewritten_during_reads_serve_the_hashed_scalings_or_refus
     other = file.read_bytes()
     write(4.0)
     first = file.read_bytes()
-    shared, stop, outcomes, wrong = store(), threading.Event(), {"ok": 0, "refused": 0}, []
+    shared = store()
 
-    def writer():
-        rng = random.Random(3)
-        while not stop.is_set():
-            with open(file, "r+b") as f:  # same size, same header: only the alpha bytes differ
-                f.write(other if rng.random() < 0.5 else first)
-            time.sleep(rng.random() * 1e-3)
+    def writer(rng):
+        with open(file, "r+b") as f:  # same size, same header: only the alpha bytes differ
+            f.write(other if rng.random() < 0.5 else first)
+        time.sleep(rng.random() * 1e-3)
 
-    t = threading.Thread(target=writer)
-    t.start()
-    try:
-        for i in range(1500):
-            try:
-                got = (shared if i % 2 else store()).read("ad", file, d1)
-            except ValueError:
-                outcomes["refused"] += 1
-                continue
-            outcomes["ok"] += 1
-            if not same(got, want) or got.scaling != want.scaling:
-                wrong.append(got)
-    finally:
-        stop.set()
-        t.join()
-    assert not wrong, f"{len(wrong)} reads served other scalings under the digest ({outcomes})"
-    assert outcomes["ok"] and outcomes["refused"], f"the race was not run: {outcomes}"
+    race(writer, lambda i: (shared if i % 2 else store()).read("ad", file, d1),
+         lambda got: same(got, want) and got.scaling == want.scaling, seed=3, least=1500, most=1500)
 
 
 def test_a_read_of_a_huge_file_takes_no_more_memory_than_its_layout(tmp_path):
