@@ -8,6 +8,8 @@ import time
 import peft
 import pytest
 import torch
+from managers import one_node as manager
+from managers import settle
 from tiny import build_model, make_adapter, model_config
 
 from mstar.engine.resources.lora import LoraAdapterStore, LoraDevicePool, specs_from_config
@@ -15,12 +17,6 @@ from mstar.engine.resources.lora.manager import LoraManager, Request
 from mstar.engine.resources.lora.tools.hf import TokenSlots, attach
 
 CONFIG = model_config("llama")
-
-
-def manager(capacity=4, slots=2, store_class=LoraAdapterStore) -> LoraManager:
-    spec = specs_from_config(CONFIG, max_rank=8, capacity=capacity, dtype=torch.float32)["language_model"]
-    return LoraManager({"language_model": store_class(spec, pin=False)},
-                       {"language_model": LoraDevicePool(spec, slots, dtype=torch.float32)})
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +37,6 @@ def serve(m: LoraManager, waiting: list[Request]) -> tuple[list, dict]:
         m.wait_for_reads()
     assert len(admitted) + len(failed) == len(waiting)
     return admitted, failed
-
-
-def settle(m: LoraManager, running, waiting):
-    """A step, then the reads it started landed, then the step again."""
-    m.step(running, waiting)
-    m.wait_for_reads()
-    return m.step(running, waiting)
 
 
 class BlockedStore(LoraAdapterStore):

@@ -4,18 +4,14 @@ and a running request that names another adapter than the one it was admitted wi
 from __future__ import annotations
 
 import pytest
-import torch
-from tiny import make_adapter, model_config
+from managers import one_node, settle
+from tiny import make_adapter
 
-from mstar.engine.resources.lora import LoraAdapterStore, LoraDevicePool, specs_from_config
 from mstar.engine.resources.lora.manager import LoraManager, Request
 
-SPEC = specs_from_config(model_config("llama"), max_rank=8, capacity=4, dtype=torch.float32)["language_model"]
 
-
-def manager(max_bytes: int | None = None, slots: int = 4) -> LoraManager:
-    return LoraManager({"language_model": LoraAdapterStore(SPEC, pin=False, max_bytes=max_bytes)},
-                       {"language_model": LoraDevicePool(SPEC, slots, dtype=torch.float32)})
+def manager(max_bytes: int | None = None) -> LoraManager:
+    return one_node(slots=4, max_bytes=max_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +25,6 @@ def adapters(tmp_path_factory):
     probe.close()
     assert sizes["small"] < sizes["middle"] < sizes["big"]
     return paths, sizes
-
-
-def settle(m: LoraManager, running, waiting):
-    m.step(running, waiting)
-    m.wait_for_reads()
-    return m.step(running, waiting)
 
 
 def test_an_adapter_exactly_the_size_of_the_host_budget_is_served(adapters):

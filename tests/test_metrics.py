@@ -6,16 +6,15 @@ import threading
 import time
 
 import pytest
-import torch
+from managers import one_node, settle
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from tiny import make_adapter, model_config
+from tiny import make_adapter
 
-from mstar.engine.resources.lora import LoraAdapterStore, LoraDevicePool, specs_from_config
+from mstar.engine.resources.lora import LoraAdapterStore
 from mstar.engine.resources.lora.manager import READ_SECONDS_BUCKETS, LoraManager, Request
 from mstar.engine.resources.lora.metrics import LoraCollector
 
-CONFIG = model_config("llama")
 RANKS = {"a": 2, "b": 4, "c": 6, "d": 2}
 
 
@@ -34,9 +33,7 @@ class SlowStore(LoraAdapterStore):
 
 
 def manager(capacity=2, slots=3) -> LoraManager:
-    spec = specs_from_config(CONFIG, max_rank=8, capacity=capacity, dtype=torch.float32)["language_model"]
-    return LoraManager({"language_model": SlowStore(spec, pin=False)},
-                       {"language_model": LoraDevicePool(spec, slots, dtype=torch.float32)})
+    return one_node(capacity, slots, SlowStore)
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +58,6 @@ def value(samples, name: str, **labels) -> float:
 def resident(samples, tier: str) -> set[tuple[str, str, str]]:
     return {(s.labels["adapter"], s.labels["version"], s.labels["rank"]) for s in samples
             if s.labels["tier"] == tier and s.value == 1}
-
-
-def settle(m, running, waiting):
-    m.step(running, waiting)
-    m.wait_for_reads()
-    return m.step(running, waiting)
 
 
 def test_residency_follows_the_tiers_with_each_adapters_rank(adapters):

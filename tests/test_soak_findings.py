@@ -10,18 +10,15 @@ import os
 import sys
 import threading
 
-import torch
-from tiny import make_adapter, model_config
+from managers import one_node
+from tiny import make_adapter
 
-from mstar.engine.resources.lora import LoraAdapterStore, LoraDevicePool, specs_from_config
+from mstar.engine.resources.lora import LoraAdapterStore
 from mstar.engine.resources.lora.manager import LoraManager, Request
-
-SPEC = specs_from_config(model_config("llama"), max_rank=8, capacity=4, dtype=torch.float32)["language_model"]
 
 
 def manager(store: type[LoraAdapterStore] = LoraAdapterStore) -> LoraManager:
-    return LoraManager({"language_model": store(SPEC, pin=False)},
-                       {"language_model": LoraDevicePool(SPEC, 2, dtype=torch.float32)})
+    return one_node(store_class=store)
 
 
 def outcome(m: LoraManager, rid: int, name: str) -> tuple[bool, ValueError | None]:

@@ -11,13 +11,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from managers import one_node
 from peft.utils import get_peft_model_state_dict
 from reference import lora_modules, module_input, peft_delta, slot_delta
 from tiny import make_adapter, model_config
 
 from mstar.engine.resources.lora import (
     LoraAdapterStore,
-    LoraDevicePool,
     LoraManager,
     Request,
     check_adapter_file,
@@ -95,10 +95,8 @@ def test_pushed_tensors_that_cannot_be_served_are_refused_by_name(tensors, confi
         check_adapter_tensors(spec(), "ad", tensors, config)
 
 
-def manager(**kw) -> LoraManager:
-    s = spec(dtype=torch.float32, **{k: v for k, v in kw.items() if k == "capacity"})
-    store = LoraAdapterStore(s, pin=False, max_bytes=kw.get("max_bytes"))
-    return LoraManager({"language_model": store}, {"language_model": LoraDevicePool(s, 2, dtype=torch.float32)})
+def manager() -> LoraManager:
+    return one_node(capacity=8)
 
 
 def admit(m: LoraManager, running: list[Request], request: Request):
