@@ -11,7 +11,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,7 +37,6 @@ from .plan import Folds, Plan, host_bytes, plan
 from .reader import Scatter, fingerprints, land, landed_runs, landing_ranges, lay_out, read_layout
 from .spec import LoraSpec
 
-_HASHER = ThreadPoolExecutor(1, thread_name_prefix="mstar-lora-digest")
 VERIFIED = 4096  # digests whose runs' fingerprints a store keeps (a few KB each for an 8B adapter)
 
 __all__ = [

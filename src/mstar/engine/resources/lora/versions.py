@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import hub
 from .check import check_checkpoint
 from .checkpoint import Checkpoint, open_checkpoint, refusal
-from .memory import tensor_checkpoint
+from .memory import WHERE, tensor_checkpoint
 from .plan import host_bytes
 from .ranks import same_everywhere
 from .registry import Version
@@ -89,7 +89,7 @@ def _fits(stores: Mapping[str, LoraAdapterStore], v: Version) -> Version:
     """v, if its copy fits each node's host budget on its own: one that never could would wait forever."""
     for n, s in stores.items():
         if s.max_bytes is not None and v.nbytes[n] > s.max_bytes:
-            raise refusal(v.name, v.path or "<pushed tensors>", [
+            raise refusal(v.name, v.path or WHERE, [
                 f"its copy takes {v.nbytes[n]} host bytes for {n}, over the host budget of {s.max_bytes}"])
     return v
 
