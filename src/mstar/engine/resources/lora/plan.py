@@ -122,11 +122,6 @@ class Plan:
         dense = {d.target for d in self.dense}
         return [r for r in self.staged if r.piece.role == "A" or r.piece.target not in dense]
 
-    def runs(self) -> list[tuple[int, int]]:
-        """Every read's (file offset, bytes), direct ones then staged, in the order the batches hold them:
-        what a fingerprint covers."""
-        return [(at, sum(n for _, n in parts)) for b in (*self.batches, *self.staged_batches) for at, parts in b]
-
     @cached_property
     def ranks(self) -> dict[str, torch.Tensor]:
         """target -> [layers, slices] int32: each served module's real rank (0 where there is none), which

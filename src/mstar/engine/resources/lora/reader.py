@@ -45,7 +45,8 @@ class Landing(NamedTuple):
 def read_layout(p: Plan, folds: Folds, source: Source, buffers: HostBuffers, staging: HostBuffers,
                 expected: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """Each target's block for this rank, in one host buffer of the layout's size, read from source. With
-    expected (the fingerprints of p.runs()), a run that lands other than it was is a ValueError."""
+    expected (each run's fingerprint, as fingerprints() took them), a run that lands other than it was is a
+    ValueError."""
     landing = land(p, buffers, staging)
     if not source.unchanged():
         raise ValueError("the file changed size since its header was read")
@@ -91,8 +92,8 @@ LandedRun = tuple[int, list[memoryview]]  # a run's offset in the source, and th
 
 
 def landed_runs(p: Plan, landing: Landing) -> list[list[LandedRun]]:
-    """p's batches of runs (direct ones, then staged: the order of p.runs()), each part as the memory it
-    lands in."""
+    """p's batches of runs, direct ones then staged (the order fingerprints are kept in), each part as the
+    memory it lands in."""
     out = []
     for memory, batches in zip(landing.memory, (p.batches, p.staged_batches), strict=True):
         view = memory_at(memory.data_ptr(), memory.numel())
