@@ -37,7 +37,6 @@ class LoraCollector:
 
     def __init__(self, manager: LoraManager) -> None:
         self.manager = manager
-        self._ranks: dict[str, int] = {}  # device-resident versions' ranks, read once from their slots
 
     def collect(self) -> Iterator[Metric]:
         c = self.manager.counters
@@ -75,23 +74,13 @@ class LoraCollector:
 
     def device_ranks(self) -> dict[str, int]:
         """Each version in a slot of every node's pool, with its rank: the host copy's where there is one,
-        else read once from its slots (the rows of A its modules fill)."""
+        else its slots' (the ranks each pool keeps beside a slot)."""
         pools = list(self.manager.pools.values())
         keys = [k for k in pools[0].resident() if k is not None and all(p.slot_of(k) is not None for p in pools)]
         host = self.host_ranks()
-        self._ranks = {k: host[k] if k in host else self._ranks[k] if k in self._ranks else self.slot_rank(k)
-                       for k in keys}
-        return dict(self._ranks)
+        return {k: host[k] if k in host else self.slot_rank(k) for k in keys}
 
     def slot_rank(self, key: str) -> int:
-        """The largest rank of key's modules, from its slots: a module of rank r fills the first r of its
-        slice's max_rank rows of A and leaves the rest zero."""
-        rank = 0
-        for pool in self.manager.pools.values():
-            slot = pool.slot_of(key)
-            for a in pool.a.values():
-                rows = a[slot].abs().sum(dim=(0, 2)).view(-1, pool.spec.max_rank) != 0  # [slices, max_rank]
-                filled = rows.any(0).nonzero()
-                if len(filled):
-                    rank = max(rank, int(filled[-1]) + 1)
-        return rank
+        """The largest rank of key's modules, from the ranks every node's pool keeps beside its slot."""
+        return max(int(ranks[pool.slot_of(key)].max()) for pool in self.manager.pools.values()
+                   for ranks in pool.ranks.values())

@@ -251,7 +251,6 @@ class _Cache:
                     self.nbytes -= len(old)
             return self._headers.get(key, header)
 
-
     def clear(self) -> None:
         with self._lock:
             self._headers.clear()
