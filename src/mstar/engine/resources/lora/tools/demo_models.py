@@ -64,7 +64,8 @@ def runnable() -> list[str]:
 
 
 def model_help() -> str:
-    refused = [f"{p} ({REFUSED[model_type(load_config(p))]})" for p in presets() if p not in runnable()]
-    return (f"a causal LM, shrunk to tiny sizes with random weights: a preset ({', '.join(runnable())}; "
+    runs = runnable()
+    refused = [f"{p} ({REFUSED[model_type(load_config(p))]})" for p in presets() if p not in runs]
+    return (f"a causal LM, shrunk to tiny sizes with random weights: a preset ({', '.join(runs)}; "
             f"the mixtures of experts with adapters on attention alone) or a config.json of one "
             f"(default tiny-llama); refused, exit 2: {', '.join(refused)}")
