@@ -7,7 +7,7 @@ import functools
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from . import patterns
@@ -59,25 +59,44 @@ class AdapterConfig:
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
     def rank_of(self, module: str) -> int:
-        return int(_pattern_value(self.rank_pattern, module, self.r))
+        return self.module_rules([module])[module].rank
 
     def module_scaling(self, module: str) -> float:
         """This module's own scaling, with PEFT's pattern rule for rank_pattern and alpha_pattern."""
-        return self.scale(_pattern_value(self.alpha_pattern, module, self.lora_alpha), self.rank_of(module))
+        return self.module_rules([module])[module].scaling
 
     def targets(self, module: str) -> bool:
         """Whether PEFT, loading this config, puts LoRA on module (as the model names it): target_modules
         (names matched whole or as a dotted suffix, or one regex matched whole; "all-linear" every linear)
         or target_parameters name it, and exclude_modules does not. A file's weights for any other
         module PEFT drops without a word; this pool refuses them instead."""
-        if self.exclude_modules and _names(self.exclude_modules, module):
+        return self.module_rules([module])[module].targeted
+
+    def module_rules(self, modules: Collection[str]) -> dict[str, ModuleRule]:
+        """Each module's rank, scaling and whether the config targets it (rank_of, module_scaling,
+        targets), its patterns matched in one pass (patterns.Matching) whose work and memory the names
+        bound: ValueError naming the pattern that costs more, and what it cost. Nothing of the pass is
+        kept."""
+        matching = patterns.Matching(modules)
+        ranks = _Values(self.rank_pattern, matching, "rank_pattern")
+        alphas = _Values(self.alpha_pattern, matching, "alpha_pattern")
+        target = _Names(self.target_modules, matching, "target_modules")
+        exclude = _Names(self.exclude_modules, matching, "exclude_modules")
+        rules = {}
+        for module in modules:
+            rank = int(ranks.get(module, self.r))
+            rules[module] = ModuleRule(rank, self.scale(alphas.get(module, self.lora_alpha), rank),
+                                       self._targets(module, target, exclude))
+        return rules
+
+    def _targets(self, module: str, target: _Names, exclude: _Names) -> bool:
+        if self.exclude_modules and exclude.has(module):
             return False
         if self.target_modules is None:
             return self.target_parameters is None or _names(self.target_parameters, module)
         if isinstance(self.target_modules, str) and self.target_modules.lower() == "all-linear":
             return True
-        return _names(self.target_modules, module) or bool(self.target_parameters and
-                                                           _names(self.target_parameters, module))
+        return target.has(module) or bool(self.target_parameters and _names(self.target_parameters, module))
 
     def layer_of(self, module: str) -> int | None:
         """The layer index PEFT reads from module for layers_to_transform, with PEFT's own regexes: the
@@ -112,27 +131,43 @@ def _layer_regex(pattern: str | None) -> re.Pattern[str]:
     return re.compile(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.")
 
 
-def _names(names: frozenset[str] | str, module: str) -> bool:
-    if isinstance(names, str):
-        return patterns.fullmatch(names, module)
+@dataclass(frozen=True)
+class ModuleRule:
+    """What a config gives one module: its rank, its scaling, and whether PEFT puts LoRA on it."""
+
+    rank: int
+    scaling: float
+    targeted: bool
+
+
+def _names(names: frozenset[str], module: str) -> bool:
     # PEFT: the name itself, or a dotted suffix of it, is listed
     return module in names or any(module[i + 1 :] in names for i, ch in enumerate(module) if ch == ".")
 
 
-def _pattern_value(values: Mapping[str, float], module: str, default: float) -> float:
-    # PEFT's rule: keys in the file's order, the first whose (.*\.)?(key)$ matches wins.
-    if not values:
-        return default
-    keys = _KEYS.get(id(values))
-    if keys is None or keys[0] is not values:  # one PatternKeys per config's map, for as long as the map lives
-        if len(_KEYS) > 256:
-            _KEYS.clear()
-        keys = _KEYS[id(values)] = (values, patterns.PatternKeys(list(values)), list(values.values()))
-    i = keys[1].first(module)
-    return default if i is None else keys[2][i]
+class _Names:
+    """target_modules or exclude_modules as a test of module names, in a pass of matching."""
+
+    def __init__(self, names: frozenset[str] | str | None, matching: patterns.Matching, label: str) -> None:
+        self.names = names
+        if isinstance(names, str) and names.lower() != "all-linear":
+            self.regex = matching.regex(names, f"{label} {_short(names)}")
+
+    def has(self, module: str) -> bool:
+        return self.regex(module) if isinstance(self.names, str) else _names(self.names, module)
 
 
-_KEYS: dict[int, tuple[Mapping[str, float], patterns.PatternKeys, list[float]]] = {}
+class _Values:
+    """rank_pattern or alpha_pattern by PEFT's rule: keys in the file's order, the first whose
+    (.*\\.)?(key)$ matches wins."""
+
+    def __init__(self, values: Mapping[str, float], matching: patterns.Matching, label: str) -> None:
+        self.keys = matching.keys(list(values), label) if values else None
+        self.values = list(values.values())
+
+    def get(self, module: str, default: float) -> float:
+        i = None if self.keys is None else self.keys.first(module)
+        return default if i is None else self.values[i]
 
 
 def parse_config(raw: object, source: str = "adapter_config.json") -> AdapterConfig:

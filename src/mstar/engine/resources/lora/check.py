@@ -139,6 +139,7 @@ def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
     config = ckpt.config
     skip = set(misfits) | set(info.unmapped)  # judged already, or another node's
     ways = stacked_orientations(spec, ckpt.modules(spec.convert_keys))
+    rules = ckpt.module_rules(spec.convert_keys)
     for module, keys in ckpt.modules(spec.convert_keys).items():
         a, b = keys.roles.get("A"), keys.roles.get("B")
         if a is None or b is None or module in skip:
@@ -147,8 +148,8 @@ def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
             misfits[module] = f"factors of dtype {a.dtype} / {b.dtype}; LoRA weights are floats of one dtype"
         loc = spec.locate(module)
         r = module_rank(spec, loc, a.shape)
-        if config is not None and r != config.rank_of(module):
-            misfits[module] = (f"rank {r}, but {config.source} gives it r={config.rank_of(module)}, "
+        if config is not None and r != rules[module].rank:
+            misfits[module] = (f"rank {r}, but {config.source} gives it r={rules[module].rank}, "
                                "so its scaling is unknown")
         if ways.get(module, "A in") not in ("A in", "A out"):
             misfits[module] = ways[module]
@@ -156,7 +157,7 @@ def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
             layer = config.layer_of(module)
             misfits[module] = (f"layer {layer} is outside layers_to_transform {list(config.layers_to_transform)}"
                                if layer is not None else "it has no layer index for layers_to_transform to take")
-        if config is not None and not config.targets(module):
+        if config is not None and not rules[module].targeted:
             misfits[module] = (f"{config.source}'s target_modules / exclude_modules leave it out, so PEFT puts no "
                                "LoRA there and would drop these weights")
     return AdapterInfo(info.rank, info.unmapped, misfits, info.targets)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import hub
-from .adapter_config import AdapterConfig, parse_config, read_config
+from .adapter_config import AdapterConfig, ModuleRule, parse_config, read_config
 from .keys import PEFT_PREFIX, ConvertKeys, ModuleKeys, group_keys
 from .safetensors_header import FLOAT_DTYPES, Header, NotSafetensors, TensorEntry, read_header
 from .source import FileSource, Source, TensorSource
@@ -147,6 +147,28 @@ class Checkpoint:
             memo[convert_keys] = group_keys(self.header.tensors, convert_keys)
         return memo[convert_keys]
 
+    def module_rules(self, convert_keys: ConvertKeys) -> dict[str, ModuleRule]:
+        """What the config gives each module as convert_keys reads them (AdapterConfig.module_rules), once
+        per distinct header and config; {} without a config. A config whose patterns cost more to match
+        than these names allow is refused naming the file it came from."""
+        if self.config is None:
+            return {}
+        key = ("rules", convert_keys, repr(self.config))
+        if key not in self.header.memo:
+            try:
+                self.header.memo[key] = self.config.module_rules(list(self.modules(convert_keys)))
+            except ValueError as e:
+                raise refusal(self.name, self.config_file, [str(e)]) from None
+        return self.header.memo[key]
+
+    @property
+    def config_file(self) -> Path:
+        """Where the config was read from: the adapter_config.json beside the weights, else the weights
+        (a config in their metadata, or pushed with them)."""
+        if self.config is not None and self.config.source == CONFIG:
+            return self.weights.parent / CONFIG
+        return self.weights
+
     def scalings(self, convert_keys: ConvertKeys) -> dict[str, float]:
         """Each module's alpha / r (or / sqrt(r) with rsLoRA), from its alpha tensor, else the config,
         else 1: a trainer that writes no alpha means alpha = rank."""
@@ -170,14 +192,14 @@ class Checkpoint:
         return max(counts, key=lambda s: (counts[s], -s)) if counts else 1.0
 
     def _module_scalings(self, convert_keys: ConvertKeys, alphas: dict[str, float]) -> dict[str, float]:
-        out = {}
+        out, rules = {}, self.module_rules(convert_keys)
         for module, keys in self.modules(convert_keys).items():
             a = keys.roles.get("A")
             r = a.shape[0] if a is not None and a.shape else 0
             if module in alphas:
                 out[module] = (alphas[module] if alphas[module] > 0 else r) / r if r else 1.0
             elif self.config is not None:
-                out[module] = self.config.module_scaling(module)
+                out[module] = rules[module].scaling
             else:
                 out[module] = 1.0
         return out
