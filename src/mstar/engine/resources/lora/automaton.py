@@ -90,11 +90,12 @@ class Nfa:
         self.start = frozenset({self._build(list(tree), 0)})
         self.chars = [s for s, k in enumerate(self.kind) if k == CHAR]
         self._takes: dict[str, frozenset[int]] = {}  # a character -> the char states taking it
-        self._steps: dict[tuple[frozenset[int], str], frozenset[int]] = {}
+        self._steps: dict[tuple[frozenset[int], str], frozenset[int]] = {}  # before the closure
+        self._moves: dict[tuple[frozenset[int], str], frozenset[int]] = {}  # and with it, where it asks nothing
         self._reach: dict[frozenset[int], tuple[int, ...]] = {}  # the assertions a set may reach
         self._closures: dict[tuple[frozenset[int], tuple[bool, ...]], frozenset[int]] = {}
         self._sets: dict[frozenset[int], frozenset[int]] = {}  # each set held once
-        budget.caches += (self._takes, self._steps, self._reach, self._closures, self._sets)
+        budget.caches += (self._takes, self._steps, self._moves, self._reach, self._closures, self._sets)
 
     @property
     def states(self) -> int:
@@ -102,24 +103,36 @@ class Nfa:
 
     def match(self, name: str, full: bool) -> bool:
         """re.fullmatch (full) or re.match of the pattern on name."""
-        if self.budget.name != name:
-            self.budget.looks.clear()
-            self.budget.name = name
+        budget = self.budget
+        if budget.name != name:  # the answers of lookarounds are the last name's
+            budget.held -= _ENTRY * len(budget.looks)
+            budget.looks.clear()
+            budget.name = name
         return self.run(name, 0, len(name), not full)
 
     def run(self, name: str, pos: int, stop: int, prefix: bool) -> bool:
         """Whether the pattern matches name from pos: anywhere up to stop (prefix), or ending at stop."""
         cur = self._closure(self.start, name, pos)
-        steps, begun = self._steps, pos
+        moves, begun = self._moves, pos
         while not (prefix and 0 in cur) and pos < stop and cur:
             ch = name[pos]
-            after = steps.get((cur, ch))
-            if after is None:
-                after = self._step(cur, ch)
             pos += 1
-            cur = self._closure(after, name, pos)
+            after = moves.get((cur, ch))  # where no assertion is reached, the step and its closure at once
+            if after is None:
+                after = self._move(cur, ch, name, pos)
+            cur = after
         self.budget.spend(pos - begun + 1, self.label)
         return 0 in cur
+
+    def _move(self, cur: frozenset[int], ch: str, name: str, pos: int) -> frozenset[int]:
+        after = self._steps.get((cur, ch))
+        if after is None:
+            after = self._step(cur, ch)
+        closed = self._closure(after, name, pos)
+        if self._reach.get(after) == ():  # (None where a flush let go of it since)
+            self.budget.hold(_ENTRY)
+            self._moves[(self._keep(cur), ch)] = closed
+        return closed
 
     def _keep(self, states: frozenset[int]) -> frozenset[int]:
         kept = self._sets.get(states)
@@ -149,9 +162,8 @@ class Nfa:
             reach = tuple(sorted(s for s in self._walk(states, None) if self.kind[s] == ASSERT))
             self.budget.hold(_ENTRY + 8 * len(reach))
             self._reach[self._keep(states)] = reach
-        answers = tuple(self._holds(s, name, pos) for s in reach)
-        key = (states, answers)
-        found = self._closures.get(key)
+        answers = tuple([self._holds(s, name, pos) for s in reach]) if reach else ()
+        found = self._closures.get((states, answers))
         if found is None:
             holds = dict(zip(reach, answers, strict=True))
             found = self._keep(frozenset(s for s in self._walk(states, holds) if self.kind[s] in (CHAR, MATCH)))
