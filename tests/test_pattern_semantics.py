@@ -4,6 +4,7 @@ alphabet that makes them bite (dots, digits, word and non-word characters, newli
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -12,8 +13,10 @@ from hypothesis import strategies as st
 
 from mstar.engine.resources.lora.patterns import Matching, fullmatch, peft_match
 
+EXAMPLES = int(os.environ.get("PATTERN_EXAMPLES", 600))  # more, for a longer hunt
 NAMES = st.text(alphabet="ab1._\n", max_size=8)
-ATOMS = st.sampled_from(["a", "b", "1", "_", r"\.", ".", r"\d", r"\w", r"\W", "[ab]", "[^a]", r"\n", "[a-b1]", "(?:)", r"[\d.]", r"[^\w\n]"])
+ATOMS = st.sampled_from(["a", "b", "1", "_", r"\.", ".", r"\d", r"\w", r"\W", "[ab]", "[^a]", r"\n", "[a-b1]", "(?:)",
+                         r"[\d.]", r"[^\w\n]"])
 ANCHORS = st.sampled_from(["^", "$", r"\b", r"\B", r"\A", r"\Z"])
 
 
@@ -47,7 +50,7 @@ def extend(children):
 PATTERNS = st.recursive(st.one_of(ATOMS, ANCHORS), extend, max_leaves=8)
 
 
-@settings(max_examples=int(__import__("os").environ.get("PATTERN_EXAMPLES", 600)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(PATTERNS, st.lists(NAMES, min_size=1, max_size=6))
 def test_the_matcher_answers_as_re_does(pattern, names):
     try:
@@ -73,7 +76,7 @@ def test_the_cases_re_answers_its_own_way_are_answered_as_re_does(pattern, name)
 PLAIN_KEYS = st.lists(st.text(alphabet="ab1._", min_size=1, max_size=5), min_size=1, max_size=5)
 
 
-@settings(max_examples=int(__import__("os").environ.get("PATTERN_EXAMPLES", 600)), deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(PLAIN_KEYS, st.lists(PATTERNS, max_size=2), st.lists(NAMES, min_size=1, max_size=6), st.randoms())
 def test_the_first_key_peft_takes_is_the_one_taken_with_plain_keys_among_regexes(plain, regexes, names, rnd):
     """Keys made of names alone are found through an index; with regex keys among them, in any order, the
