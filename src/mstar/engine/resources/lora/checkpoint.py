@@ -158,7 +158,11 @@ class Checkpoint:
             try:
                 self.header.memo[key] = self.config.module_rules(list(self.modules(convert_keys)))
             except ValueError as e:
-                raise refusal(self.name, self.config_file, [str(e)]) from None
+                why = str(e)
+            else:
+                return self.header.memo[key]
+            # raised here, not in the except clause, so that no traceback of the pass keeps its automata
+            raise refusal(self.name, self.config_file, [why])
         return self.header.memo[key]
 
     @property
