@@ -170,7 +170,8 @@ def module_reasons(problems: dict[str, str]) -> list[str]:
         by_reason.setdefault(why, []).append(module)
     lines = []
     for why, modules in by_reason.items():
-        more = f" (and {len(modules) - 1} more modules alike)" if len(modules) > 1 else ""
+        n = len(modules) - 1
+        more = f" (and {n} more module{'s' if n > 1 else ''} alike)" if n else ""
         lines.append(f"module {modules[0]}: {why}{more}")
     return lines
 
