@@ -226,3 +226,17 @@ def test_inspect_a_kohya_file_prints_each_modules_scaling(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     scaling = {line.split()[0]: line.split()[-1] for line in lines if line.startswith("blocks.")}
     assert len(scaling) == 20 and scaling["blocks.1.ffn.net.2"] == "3", "alpha 12 / rank 4"
+
+
+def test_a_refused_row_shows_dashes_and_a_truncated_files_size(made, tmp_path, capsys):
+    cut = copy(made, "good", tmp_path / "cut")
+    weights = cut / "adapter_model.safetensors"
+    os.truncate(weights, os.path.getsize(weights) // 2)
+    assert check(made["config"], made["good"], cut, made["big"], "--max-rank", "8", "--json") == 1
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[1]["verdict"] == "refused" and rows[1]["file_bytes"] == os.path.getsize(weights), "it is there"
+    assert check(made["config"], made["good"], cut, made["big"], tmp_path / "none", "--max-rank", "8") == 1
+    table_rows = capsys.readouterr().out.split("\n\n")[0].splitlines()[1:]
+    assert "None" not in " ".join(table_rows)
+    for row in table_rows[1:3]:  # cut, big: refused, so neither host bytes nor a digest
+        assert row.split()[-2:-1] == ["-"] and row.split().count("-") >= 2, row
