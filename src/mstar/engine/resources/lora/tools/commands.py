@@ -263,7 +263,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not adapters:
         raise UsageError("no adapters named (ADAPTER arguments or --serving FILE)")
     nodes = list(specs.values())
-    layouts = {name: SlotLayout(spec, dtype=spec.dtype) for name, spec in specs.items()}
+    import torch
+
+    dtype = getattr(torch, args.dtype)
+    layouts = {name: SlotLayout(spec, dtype=dtype) for name, spec in specs.items()}
     rows = []
     for name, path in tqdm(adapters.items(), desc="checking", unit="adapter", disable=None, file=sys.stderr):
         row, ckpt = adapter_row(specs, name, path)
@@ -283,7 +286,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         total = sum(r["host_bytes"] for r in rows if r["verdict"] == "ok")
         served = len(rows) - len(bad)
         print(f"\nhost bytes of the {served} adapter{'s' if served != 1 else ''} served: {size(total)} at max_rank "
-              f"{args.max_rank} ({total} bytes, world size 1, {nodes[0].dtype})")
+              f"{args.max_rank}, {args.dtype} ({total} bytes, world size 1)")
     if bad:
         print(f"\n{unservable([r['reason'] for r in bad], len(rows))}", file=sys.stderr)
         return 1
