@@ -51,6 +51,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     "check.py": (f"{T}check.py", f"{T}config_scope.py", f"{T}refusal_messages.py", f"{T}hostile_adapters.py",
                  f"{T}integrity.py", f"{T}numerics.py"),
     "experts.py": (f"{T}experts.py", f"{T}expert_folds.py", f"{T}expert_configs.py", f"{T}experts_transformers4.py"),
+    "hub.py": (f"{T}integrity.py", f"{T}sources.py"),
 }
 
 M = Mutant
@@ -372,4 +373,26 @@ MUTANTS: list[Mutant] = [
       "stacked experts at the experts' max_rank are refused"),
     M("experts.widths-one-slice", "experts.py", "return t.in_features, per * t.out_features[0]",
       "return t.in_features, t.out_features[0]", "an expert's output spans one slice, not gate and up"),
+
+    # --- issue 29's behaviours no test pinned down ---
+    M("reader.scatter-skips-ranges-begun-earlier", "reader.py",
+      "i = bisect.bisect_left(self.starts, at - self.longest)", "i = bisect.bisect_left(self.starts, at)",
+      "a first read under a digest leaves a piece begun in the previous chunk half-copied (other weights served)",
+      (f"{T}fingerprints.py",)),
+    M("store.fingerprints-after-folds", "store.py",
+      "prints = fingerprints(runs)  # before anything is laid out over the runs (folds write in place)\n"
+      "        folds = p.folds(hashed.scalings(conv))\n        blocks = lay_out(p, landing, folds)",
+      "folds = p.folds(hashed.scalings(conv))\n        blocks = lay_out(p, landing, folds)\n"
+      "        prints = fingerprints(runs)",
+      "fingerprints of B after its fold: the read after an eviction calls an unchanged file changed",
+      (f"{T}fingerprints.py",)),
+    M("source.strided-extent-one-short", "source.py", "need = (last + 1) * t.element_size()",
+      "need = last * t.element_size()", "a pushed strided view whose storage is one element short is read past it"),
+    M("hub.snapshot-of-any-repo", "hub.py", "if real.parent != snapshots or not re.fullmatch",
+      "if not re.fullmatch", "a Hub ref naming another repo's commit folder is read"),
+    M("hub.snapshot-of-any-name", "hub.py",
+      "real.parent != snapshots or not re.fullmatch(r\"[0-9a-f]{40}\", real.name)",
+      "real.parent != snapshots", "a Hub ref naming a folder of snapshots/ that is no commit is read"),
+    M("versions.digests-not-compared", "versions.py", "elif len(set(seen)) != 1:", "elif False:",
+      "ranks that read different weights for one registration each serve their own under one name"),
 ]

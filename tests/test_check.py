@@ -215,7 +215,26 @@ def test_inspect_keys_from_a_header_listing():
         ("base_model.model.model.norm.lora_B.weight", (64, 4)),
     ])
     assert info.rank == 6 and info.unmapped == ("model.norm",) and info.targets == {"qkv_proj"}
-    assert info.misfits == {"model.layers.1.mlp.up_proj": "B [96, 5] should be [96, 6] for target gate_up_proj"}
+    assert info.misfits == {"model.layers.1.mlp.up_proj": "A [6, 64] is rank 6 and B [96, 5] rank 5: the two "
+                                                          "factors disagree"}
+
+
+@pytest.mark.parametrize("cut", ["A", "B"])
+def test_a_rank_error_names_the_factor_the_config_disagrees_with(tmp_path, cut):
+    _, path = make_adapter(tmp_path, r=4)
+    weights = path / "adapter_model.safetensors"
+    tensors = safetensors.torch.load_file(weights)
+    key = f"base_model.model.model.layers.0.self_attn.v_proj.lora_{cut}.weight"
+    tensors[key] = torch.cat([tensors[key], tensors[key][:2]]) if cut == "A" else \
+        torch.cat([tensors[key], tensors[key][:, :2]], 1)  # rank 6 where the config and the other factor say 4
+    safetensors.torch.save_file(tensors, weights)
+    a, b = ([6, 64], [32, 4]) if cut == "A" else ([4, 64], [32, 6])
+    other = "B" if cut == "A" else "A"
+    with pytest.raises(ValueError) as e:
+        check_adapter_file(lm_spec(), "ad", path)
+    shapes = {"A": a, "B": b}
+    assert str(e.value).endswith(f"module model.layers.0.self_attn.v_proj: {cut} {shapes[cut]} is rank 6, but "
+                                 f"{other} {shapes[other]} and adapter_config.json's r=4 are rank 4")
 
 
 def test_as_linear_and_misfit_table():

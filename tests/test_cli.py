@@ -78,10 +78,11 @@ def test_a_serving_file_naming_one_adapter_twice_is_refused(made, tmp_path, caps
 def test_a_path_with_an_equals_sign_is_a_path(made, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     copy(made, "good", tmp_path / "lr=1e-4")  # as a training sweep names its folders
-    assert check(made["config"], "lr=1e-4", "mine=lr=1e-4", "--json") == 0
+    assert check(made["config"], "lr=1e-4", "mine=lr=1e-4", "--json", "--max-rank", "16") == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["adapter"], r["path"]) for r in rows] == [("lr=1e-4", "lr=1e-4"), ("mine", "lr=1e-4")]
-    assert check(made["config"], "=lr=1e-4") == 2 and "needs both a name and a path" in capsys.readouterr().err
+    assert check(made["config"], "=lr=1e-4", "--max-rank", "16") == 2
+    assert "needs both a name and a path" in capsys.readouterr().err
 
 
 def test_options_may_come_before_the_adapters(made, capsys):
@@ -93,9 +94,9 @@ def test_a_model_folder_is_read_by_its_config_json(made, tmp_path, capsys):
     import transformers
 
     transformers.AutoConfig.for_model(**model_config("llama")).save_pretrained(tmp_path / "model")
-    assert check(tmp_path / "model", made["good"]) == 0
+    assert check(tmp_path / "model", made["good"], "--max-rank", "16") == 0
     (tmp_path / "empty").mkdir()
-    assert check(tmp_path / "empty", made["good"]) == 2
+    assert check(tmp_path / "empty", made["good"], "--max-rank", "16") == 2
     err = capsys.readouterr().err
     assert "model folder" in err and "no config.json" in err and "Traceback" not in err
 
@@ -108,16 +109,18 @@ def _exits(args: list[str]) -> int:
 
 
 WRONG = {
-    "a misspelled preset": ["check", "tiny-lama", "{good}"],
+    "a misspelled preset": ["check", "tiny-lama", "{good}", "--max-rank", "16"],
     "--max-rank 0": ["check", "tiny-llama", "{good}", "--max-rank", "0"],
-    "--max-expert-rank 0": ["check", "qwen3-30b-a3b", "{good}", "--max-expert-rank", "0"],
-    "--max-expert-rank -1": ["check", "qwen3-30b-a3b", "{good}", "--max-expert-rank", "-1"],
-    "a missing --serving file": ["check", "tiny-llama", "--serving", "{tmp}/missing.json"],
-    "a --serving list": ["check", "tiny-llama", "--serving", "{tmp}/list.json"],
-    "a deeply nested --serving file": ["check", "tiny-llama", "--serving", "{tmp}/deep.json"],
-    "a deeply nested model config": ["check", "{tmp}/deep.json", "{good}"],
-    "a model config of a string": ["check", "{tmp}/list.json", "{good}"],
-    "no adapters": ["check", "tiny-llama"],
+    "--max-expert-rank 0": ["check", "qwen3-30b-a3b", "{good}", "--max-expert-rank", "0", "--max-rank", "16"],
+    "--max-expert-rank -1": ["check", "qwen3-30b-a3b", "{good}", "--max-expert-rank", "-1", "--max-rank", "16"],
+    "a missing --serving file": ["check", "tiny-llama", "--serving", "{tmp}/missing.json", "--max-rank", "16"],
+    "a --serving list": ["check", "tiny-llama", "--serving", "{tmp}/list.json", "--max-rank", "16"],
+    "a deeply nested --serving file": ["check", "tiny-llama", "--serving", "{tmp}/deep.json", "--max-rank", "16"],
+    "a deeply nested model config": ["check", "{tmp}/deep.json", "{good}", "--max-rank", "16"],
+    "a model config of a string": ["check", "{tmp}/list.json", "{good}", "--max-rank", "16"],
+    "no adapters": ["check", "tiny-llama", "--max-rank", "16"],
+    "check without --max-rank": ["check", "tiny-llama", "{good}"],
+    "an unknown --dtype": ["check", "tiny-llama", "{good}", "--max-rank", "16", "--dtype", "fp8"],
 }
 
 
@@ -134,7 +137,7 @@ def test_a_wrong_command_exits_2(made, tmp_path, capsys, what):
 def test_an_adapter_that_cannot_be_served_exits_1(made, capsys):
     assert _exits(["check", str(made["config"]), str(made["big"]), "--max-rank", "8"]) == 1
     long = "a" * 300  # past NAME_MAX: an OSError inside, still this adapter's refusal
-    assert _exits(["check", str(made["config"]), long, str(made["good"])]) == 1
+    assert _exits(["check", str(made["config"]), long, str(made["good"]), "--max-rank", "16"]) == 1
     err = capsys.readouterr().err
     assert f"adapter '{long}' ({long}): " in err and "Traceback" not in err
 
@@ -143,6 +146,27 @@ def test_help_says_what_the_exit_codes_mean(capsys):
     assert _exits(["check", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "0 every adapter named was checked and can be served" in out and "2 the command is wrong" in out
+    for args in (["--help"], ["check", "--help"]):
+        assert _exits(args) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "--max-rank or --max-expert-rank that is not a positive integer" in out, args
+        assert "check without --max-rank" in out, args
+
+
+def test_check_gives_host_bytes_at_the_dtype_asked_and_says_it(made, capsys):
+    from mstar.engine.resources.lora.checkpoint import open_checkpoint
+    from mstar.engine.resources.lora.layout import SlotLayout
+    from mstar.engine.resources.lora.plan import host_bytes
+
+    spec = specs_from_config(made["config"], max_rank=16)["language_model"]
+    with open_checkpoint(made["good"]) as ckpt:
+        want = {d: host_bytes(ckpt, SlotLayout(spec, dtype=getattr(torch, d))) for d in ("bfloat16", "float32")}
+    assert want["float32"] == 2 * want["bfloat16"]
+    for dtype, extra in (("bfloat16", []), ("float32", ["--dtype", "float32"])):
+        assert check(made["config"], made["good"], "--max-rank", "16", "--json", *extra) == 0
+        assert json.loads(capsys.readouterr().out)[0]["host_bytes"] == want[dtype]
+        assert check(made["config"], made["good"], "--max-rank", "16", *extra) == 0
+        assert f"at max_rank 16, {dtype} ({want[dtype]} bytes" in capsys.readouterr().out
 
 
 def test_help_and_argument_errors_import_no_torch():
@@ -205,7 +229,8 @@ def test_a_fifo_as_model_or_serving_file_is_refused_at_once(made, tmp_path, caps
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)
     codes = []
-    for args in (["check", str(fifo), str(made["good"])], ["check", "tiny-llama", "--serving", str(fifo)]):
+    for args in (["check", str(fifo), str(made["good"]), "--max-rank", "16"],
+                 ["check", "tiny-llama", "--serving", str(fifo), "--max-rank", "16"]):
         t = threading.Thread(target=lambda a=args: codes.append(_exits(a)), daemon=True)
         t.start()
         t.join(30)
@@ -226,3 +251,17 @@ def test_inspect_a_kohya_file_prints_each_modules_scaling(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     scaling = {line.split()[0]: line.split()[-1] for line in lines if line.startswith("blocks.")}
     assert len(scaling) == 20 and scaling["blocks.1.ffn.net.2"] == "3", "alpha 12 / rank 4"
+
+
+def test_a_refused_row_shows_dashes_and_a_truncated_files_size(made, tmp_path, capsys):
+    cut = copy(made, "good", tmp_path / "cut")
+    weights = cut / "adapter_model.safetensors"
+    os.truncate(weights, os.path.getsize(weights) // 2)
+    assert check(made["config"], made["good"], cut, made["big"], "--max-rank", "8", "--json") == 1
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[1]["verdict"] == "refused" and rows[1]["file_bytes"] == os.path.getsize(weights), "it is there"
+    assert check(made["config"], made["good"], cut, made["big"], tmp_path / "none", "--max-rank", "8") == 1
+    table_rows = capsys.readouterr().out.split("\n\n")[0].splitlines()[1:]
+    assert "None" not in " ".join(table_rows)
+    for row in table_rows[1:3]:  # cut, big: refused, so neither host bytes nor a digest
+        assert row.split()[-2:-1] == ["-"] and row.split().count("-") >= 2, row

@@ -104,3 +104,46 @@ def test_pushed_tensors_stepped_after_the_first_read_are_refused(tmp_path):
     next(t for k, t in tensors.items() if "lora_A" in k).mul_(1.5)  # an optimizer step, in place
     with pytest.raises(ValueError, match="the tensors changed since they were pushed"):
         store.read_tensors("ad", tensors, config, digest)
+
+
+BIG = model_config("llama", hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_key_value_heads=8,
+                   head_dim=64)
+
+
+@pytest.mark.parametrize(("rank", "world", "dtype"), [(0, 1, torch.float32), (1, 2, torch.bfloat16)],
+                         ids=["fp32-direct", "bf16-staged-rank-1-of-2"])
+def test_a_first_read_under_a_digest_past_the_hashs_chunk_lays_out_what_a_plain_read_does(tmp_path, rank, world,
+                                                                                          dtype):
+    """Over 2 MiB, the hash reads the file in chunks and the read lays its pieces out of them as they pass:
+    a piece begun in one chunk and ended in the next is copied from both (the digest covers the bytes
+    streamed, so a piece left half-copied would be served under it with no error)."""
+    from mstar.engine.resources.lora.checkpoint import open_checkpoint
+    from mstar.engine.resources.lora.digest import CHUNK, hash_runs
+
+    spec = specs_from_config(BIG, max_rank=24)["language_model"]
+    _, path = make_adapter(tmp_path, r=24, config=BIG, alpha_pattern={"down_proj": 3})
+    with open_checkpoint(path) as ckpt:
+        runs = hash_runs(ckpt, spec.convert_keys)
+        cuts = {at for start, stop in runs for at in range(start + CHUNK, stop, CHUNK)}
+        across = [e for e in ckpt.header.tensors.values() if any(e.start < c < e.stop for c in cuts)]
+    assert sum(stop - start for start, stop in runs) > CHUNK and across, "a tensor across two chunks"
+    digest = check_adapter_file(spec, "ad", path)
+    verified = LoraAdapterStore(spec, rank, world, pin=False, dtype=dtype).read("ad", path, digest)
+    plain = LoraAdapterStore(spec, rank, world, pin=False, dtype=dtype).read("ad", path)
+    assert same(verified, plain)
+
+
+def test_fingerprints_are_taken_before_folds_write_in_place(tmp_path):
+    """An fp32 adapter read into fp32 slots lands where it is served, and an alpha_pattern's own scaling is
+    folded into its B there (at r = max_rank, B lands unpadded, where the slot has it): the fingerprints are of
+    the bytes as read, so the read after an eviction (which checks them) serves it again rather than calling
+    the file changed."""
+    _, path = make_adapter(tmp_path, r=SPEC.max_rank, config=CONFIG, alpha_pattern={"down_proj": 3})
+    digest = check_adapter_file(SPEC, "ad", path)
+    store = LoraAdapterStore(SPEC, pin=False, dtype=torch.float32)
+    first = store.load("ad", path, digest)
+    store.drop("ad")
+    assert "ad" not in store
+    again = store.load("ad", path, digest)
+    assert again is not first and same(first, again)
+    assert same(again, LoraAdapterStore(SPEC, pin=False, dtype=torch.float32).read("ad", path)), "as a plain read"

@@ -173,6 +173,32 @@ def test_a_ref_naming_a_folder_outside_the_cache_is_refused(hub):
         check_adapter_file(LM, "x", "org/base@odd")
 
 
+@pytest.mark.parametrize("what", ["a folder in snapshots/ not named as a commit", "another repo's commit",
+                                  "a commit's folder linked elsewhere", "snapshots/ itself"])
+def test_a_ref_naming_anything_but_one_commits_snapshot_is_refused(hub, what):
+    """Each of the two things a snapshot is (a folder of this repo's snapshots/, named by a 40-digit commit)
+    refused alone: a ref file's text is taken as the commit offline, and it may name anything."""
+    repo = hub / "hub" / "models--org--base"
+    made = repo / "snapshots" / ("a" * 40)
+    if what == "a folder in snapshots/ not named as a commit":
+        shutil.copytree(made, repo / "snapshots" / "v1-final")
+        text = "v1-final"
+    elif what == "another repo's commit":
+        shutil.copytree(made, hub / "hub" / "models--org--other" / "snapshots" / ("b" * 40))
+        text = "../../models--org--other/snapshots/" + "b" * 40
+    elif what == "a commit's folder linked elsewhere":
+        (repo / "snapshots" / ("c" * 40)).symlink_to(hub / "elsewhere")
+        text = "c" * 40
+    else:
+        shutil.copy(made / "adapter_config.json", repo / "snapshots")
+        shutil.copy(made / "adapter_model.safetensors", repo / "snapshots")
+        text = "."
+    (repo / "refs" / "odd").write_text(text)
+    assert check_adapter_file(LM, "x", "org/base")  # the cache works
+    with pytest.raises(ValueError, match=r"adapter 'x' \(org/base@odd\): .*not one commit's snapshot"):
+        check_adapter_file(LM, "x", "org/base@odd")
+
+
 def test_register_all_resolves_a_hub_id_once_and_reads_the_commit_it_checked(hub, monkeypatch):
     """main moves between the check and the registration: the version is the commit that was checked."""
     from mstar.engine.resources.lora import LoraDevicePool, LoraManager

@@ -3,6 +3,7 @@ whatever order and pace their reads land in, and though one rank cannot read one
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from datetime import timedelta
@@ -98,16 +99,17 @@ def test_ranks_admit_and_fail_alike_in_every_step(tmp_path, world_size):
     assert "c" not in admitted and len(admitted) + len(failed) == arrived, "every other request was served"
 
 
-def register_rank(rank: int, world_size: int, rendezvous: str, paths: dict, out: str) -> None:
-    """Registrations where one rank's own check fails: each must raise on every rank, and the next good one
-    still be agreed everywhere (the collectives stay in step)."""
+def register_rank(rank: int, world_size: int, rendezvous: str, per_rank: list[dict], out: str) -> None:
+    """Registrations where one rank's own check fails, or its check reads other weights than the others': each
+    must raise on every rank, and the next good one still be agreed everywhere (the collectives stay in step).
+    per_rank[rank] is the paths this rank finds under each name."""
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))
     spec = specs_from_config(CONFIG, max_rank=8, capacity=3)["language_model"]
     m = LoraManager({"language_model": LoraAdapterStore(spec, rank, world_size, pin=False)},
                     {"language_model": LoraDevicePool(spec, 2, rank=rank, world_size=world_size)},
                     group=dist.group.WORLD)
-    mine = {n: p if rank != 1 or n != "a" else p + "-missing-on-rank-1" for n, p in paths.items()}
+    mine = per_rank[rank]
     outcome = []
     for call in (lambda: m.register("a", mine["a"]), lambda: m.register_all({"a": mine["a"], "b": mine["b"]}),
                  lambda: m.register("b", mine["b"])):
@@ -126,17 +128,38 @@ def register_rank(rank: int, world_size: int, rendezvous: str, paths: dict, out:
     dist.destroy_process_group()
 
 
-def test_a_registration_that_fails_on_one_rank_fails_on_every_rank_without_a_hang(tmp_path):
-    paths = {n: str(make_adapter(tmp_path, name=n, seed=i, config=CONFIG)[1]) for i, n in enumerate("ab")}
+def registered_on_two_ranks(tmp_path, per_rank: list[dict]) -> list:
+    """Each rank's outcomes of register_rank's calls, as every rank saw them alike (each naming its own path)."""
     out = tmp_path / "out.pt"
-    ctx = mp.start_processes(register_rank, args=(2, f"file://{tmp_path}/rdv", paths, str(out)), nprocs=2,
+    ctx = mp.start_processes(register_rank, args=(2, f"file://{tmp_path}/rdv", per_rank, str(out)), nprocs=2,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + 120
     while not ctx.join(timeout=1):
         assert time.monotonic() < deadline, "a rank hung"
     everyone = torch.load(out)
-    assert everyone[0] == everyone[1], "every rank saw the same outcomes"
-    single, both, good, failed = everyone[0]
+    if per_rank[0]["a"] == per_rank[1]["a"] or not os.path.exists(per_rank[1]["a"]):
+        assert everyone[0] == everyone[1], "every rank saw the same outcomes"
+    else:  # each names a's path as it read it
+        mine = [[str(o).replace(per_rank[r]["a"], "<a>") for o in outcome] for r, outcome in enumerate(everyone)]
+        assert mine[0] == mine[1], "every rank saw the same outcomes"
+    return everyone[0]
+
+
+def test_a_registration_that_fails_on_one_rank_fails_on_every_rank_without_a_hang(tmp_path):
+    paths = {n: str(make_adapter(tmp_path, name=n, seed=i, config=CONFIG)[1]) for i, n in enumerate("ab")}
+    single, both, good, failed = registered_on_two_ranks(tmp_path, [paths, {**paths, "a": paths["a"] +
+                                                                            "-missing-on-rank-1"}])
     assert single.startswith("adapter 'a' (") and "missing-on-rank-1" in single and "no such file" in single
     assert both.startswith("1 of 2 adapters cannot be served") and "missing-on-rank-1" in both
+    assert good == "Version" and failed == ["adapter 'a' is not registered"]
+
+
+def test_ranks_that_read_different_weights_for_one_registration_refuse_it_on_every_rank(tmp_path):
+    """Each rank's check passes, but rank 1 finds other weights at a's path (a file replaced on one node, a
+    mount that differs): serving it would put two adapters under one name and one digest's prefix cache."""
+    paths = {n: str(make_adapter(tmp_path, name=n, seed=i, config=CONFIG)[1]) for i, n in enumerate("ab")}
+    other = str(make_adapter(tmp_path, name="other", seed=7, config=CONFIG)[1])
+    single, both, good, failed = registered_on_two_ranks(tmp_path, [paths, {**paths, "a": other}])
+    assert single.startswith(f"adapter 'a' ({paths['a']}): the ranks read different weights there (digests ")
+    assert both.startswith("1 of 2 adapters cannot be served") and "the ranks read different weights" in both
     assert good == "Version" and failed == ["adapter 'a' is not registered"]

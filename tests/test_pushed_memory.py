@@ -37,6 +37,17 @@ def view_of_shrunk(tensors: dict, key: str) -> None:
     tensors[key].untyped_storage().resize_(800)
 
 
+def strided(tensors: dict, key: str, short: int) -> None:
+    """Every other column of a storage twice as wide, that storage cut to `short` elements short of the last
+    one the view reaches (a non-contiguous view: its extent is its strides', not its numel's)."""
+    t = tensors[key]
+    wide = torch.zeros(t.shape[0], 2 * t.shape[1], dtype=t.dtype)
+    wide[:, ::2] = t
+    tensors[key] = wide[:, ::2]
+    reach = (t.shape[0] - 1) * wide.stride(0) + (t.shape[1] - 1) * 2 + 1
+    wide.untyped_storage().resize_((reach - short) * t.element_size())
+
+
 def fake(tensors: dict, key: str) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -54,9 +65,10 @@ def nested(tensors: dict, key: str) -> None:
     (lambda ts, k: freed(ts[k]), "reaches byte 1024 of its storage, which holds 0"),
     (lambda ts, k: shrunk(ts[k]), "reaches byte 1024 of its storage, which holds 512"),
     (view_of_shrunk, "reaches byte 1024 of its storage, which holds 800"),
+    (lambda ts, k: strided(ts, k, 1), "reaches byte 2044 of its storage, which holds 2040"),
     (fake, "is a FakeTensor, whose storage does not hold its values"),
     (nested, "is a nested tensor"),
-], ids=["freed", "shrunk", "a-view-of-a-shrunk-one", "fake", "nested"])
+], ids=["freed", "shrunk", "a-view-of-a-shrunk-one", "a-strided-view-one-element-short", "fake", "nested"])
 def test_a_pushed_tensor_whose_storage_does_not_hold_it_is_refused_by_name(pushed, spoil, why):
     tensors, config = pushed
     assert tensors[KEY].nbytes == 1024, "the premise: the sizes the reasons name"
@@ -66,6 +78,17 @@ def test_a_pushed_tensor_whose_storage_does_not_hold_it_is_refused_by_name(pushe
         check_adapter_tensors(SPEC, "ad", tensors, config)
     with pytest.raises(ValueError, match=where):
         LoraAdapterStore(SPEC, pin=False).read_tensors("ad", tensors, config)
+
+
+def test_a_strided_view_whose_storage_ends_at_its_last_element_is_read(pushed):
+    tensors, config = pushed
+    want = check_adapter_tensors(SPEC, "ad", tensors, config)
+    strided(tensors, KEY, 0)
+    assert not tensors[KEY].is_contiguous()
+    assert check_adapter_tensors(SPEC, "ad", tensors, config) == want, "the same weights, the same digest"
+    store = LoraAdapterStore(SPEC, pin=False)
+    assert torch.equal(store.read_tensors("ad", tensors, config, want).a["qkv_proj"],
+                       store.read_tensors("ad", {**tensors, KEY: tensors[KEY].contiguous()}, config).a["qkv_proj"])
 
 
 def test_a_tensor_freed_after_its_push_fails_its_adapters_read_not_the_process(pushed):

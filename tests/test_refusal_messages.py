@@ -69,3 +69,10 @@ def test_one_adapter_that_cannot_be_served_is_its_own_refusal(tmp_path):
         check_adapters(lm_spec(adapters={"big": str(big)}))
     assert str(e.value).startswith("adapter 'big' (") and "of 1 adapters" not in str(e.value)
 
+
+
+def test_one_more_module_alike_is_one_module(tmp_path):
+    _, path = make_adapter(tmp_path, r=16, target_modules=["q_proj"], layers_to_transform=[0, 1])
+    assert refusal(lm_spec(), path / "adapter_model.safetensors").endswith(
+        "module model.layers.0.self_attn.q_proj: rank 16, over this pool's max_rank 8 "
+        "(and 1 more module alike)")

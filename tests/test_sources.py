@@ -4,6 +4,7 @@ as huggingface_hub lays it out), a host budget in bytes, and memory that comes b
 from __future__ import annotations
 
 import gc
+import json
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from managers import one_node
 from peft.utils import get_peft_model_state_dict
 from reference import lora_modules, module_input, peft_delta, slot_delta
-from tiny import make_adapter, model_config
+from tiny import make_adapter, model_config, write_config
 
 from mstar.engine.resources.lora import (
     LoraAdapterStore,
@@ -156,6 +157,20 @@ def test_a_hub_id_is_checked_and_read_from_its_cache(hub_cache, tmp_path):
     local = check_adapter_file(s, "x", hub_cache / "snapshots" / COMMITS[0])
     assert check_adapter_file(s, "x", "org/adapter") == local
     assert check_adapter_file(s, "x", f"org/adapter@{COMMITS[1]}") != local, "a revision is the weights there"
+
+
+def test_a_hub_ids_default_name_is_its_repo_and_a_short_revision(hub_cache, capsys):
+    from mstar.engine.resources.lora.checkpoint import default_name, open_checkpoint
+    from mstar.engine.resources.lora.tools.cli import main
+
+    assert default_name("org/adapter") == "adapter"
+    assert default_name(f"org/adapter@{COMMITS[1]}") == "adapter@" + COMMITS[1][:12]
+    assert default_name("org/adapter@release/v2") == "adapter@release-v2", "a ref's slash is no path"
+    with open_checkpoint(f"org/adapter@{COMMITS[1]}") as ckpt:
+        assert ckpt.name == "adapter@" + COMMITS[1][:12]
+    config = write_config(hub_cache.parent, model_config("llama"))
+    assert main(["check", str(config), "org/adapter", f"org/adapter@{COMMITS[1]}", "--max-rank", "8", "--json"]) == 0
+    assert [r["adapter"] for r in json.loads(capsys.readouterr().out)] == ["adapter", "adapter@" + COMMITS[1][:12]]
 
 
 def test_registering_a_hub_id_pins_its_commit(hub_cache):

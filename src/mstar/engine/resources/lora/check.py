@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .adapter_config import AdapterConfig
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import HASH_ON_EVERY_CORE, adapter_digest
 from .experts import stacked_misfit, stacked_orientations
@@ -23,8 +24,10 @@ from .spec import AdapterInfo, Location, LoraSpec, as_linear, canonical_index
 _VOCAB_MODULES = ("lm_head", "embed_tokens", "wte", "embed_out", "output_layer")
 
 
-def misfit(spec: LoraSpec, module: str, a_shape: Sequence[int], b_shape: Sequence[int]) -> str | None:
-    """Why a mapped module's A / B shapes do not fit its target, or None."""
+def misfit(spec: LoraSpec, module: str, a_shape: Sequence[int], b_shape: Sequence[int],
+           config: AdapterConfig | None = None) -> str | None:
+    """Why a mapped module's A / B shapes do not fit its target, or None; where A and B disagree on the
+    rank, config (its r for the module) tells which factor is the odd one."""
     loc = spec.locate(module)
     if loc is None:
         return f"no {spec.name} target maps it"
@@ -56,10 +59,25 @@ def misfit(spec: LoraSpec, module: str, a_shape: Sequence[int], b_shape: Sequenc
     a, b = as_linear(a_shape), as_linear(b_shape)
     if a[1] != t.in_features:
         return f"A {list(a_shape)} takes {a[1]} inputs, target {name} takes {t.in_features}"
+    if b[1] != r:
+        return rank_disagreement(list(a_shape), list(b_shape), b[1], config, module)
     out = sum(t.out_features[sl] for sl in t.covered(s))
-    if b != (out, r):
+    if b[0] != out:
         return f"B {list(b_shape)} should be [{out}, {r}] for target {name}"
     return None
+
+
+def rank_disagreement(a: list[int], b: list[int], b_rank: int, config: AdapterConfig | None, module: str) -> str:
+    """A's rows and B's columns, two ranks for one module: the factor the config's r disagrees with is named
+    as the one cut or padded, never the one that agrees with it."""
+    if config is None:
+        return f"A {a} is rank {a[0]} and B {b} rank {b_rank}: the two factors disagree"
+    want = config.rank_of(module)
+    if want == a[0]:
+        return f"B {b} is rank {b_rank}, but A {a} and {config.source}'s r={want} are rank {want}"
+    if want == b_rank:
+        return f"A {a} is rank {a[0]}, but B {b} and {config.source}'s r={want} are rank {want}"
+    return f"A {a} is rank {a[0]} and B {b} rank {b_rank}, and {config.source} gives it r={want}"
 
 
 def inspect_keys(spec: LoraSpec, items: Iterable[tuple[str, Sequence[int]]]) -> AdapterInfo:
@@ -68,8 +86,9 @@ def inspect_keys(spec: LoraSpec, items: Iterable[tuple[str, Sequence[int]]]) -> 
 
 
 def _inspect(spec: LoraSpec, modules: dict[str, ModuleKeys], shape: Callable[[Any], tuple[int, ...]] = tuple,
-             ) -> AdapterInfo:
-    """inspect_keys over modules already grouped, whose role values give their shape through shape."""
+             config: AdapterConfig | None = None) -> AdapterInfo:
+    """inspect_keys over modules already grouped, whose role values give their shape through shape, under
+    config where there is one."""
     rank, unmapped, misfits, targets = 0, [], {}, set()
     placed: dict[tuple[str, int, int], str] = {}
     for module, keys in sorted(modules.items()):
@@ -78,7 +97,7 @@ def _inspect(spec: LoraSpec, modules: dict[str, ModuleKeys], shape: Callable[[An
         if "A" in roles and loc is not None:  # another node's module is that node's to size
             rank = max(rank, module_rank(spec, loc, roles["A"]))
         why = refused_roles(module, roles, keys.doubled) or (
-            None if loc is None else _unpaired(roles) or misfit(spec, module, roles["A"], roles["B"]))
+            None if loc is None else _unpaired(roles) or misfit(spec, module, roles["A"], roles["B"], config))
         if why:
             misfits[module] = why
         elif loc is None:
@@ -134,7 +153,7 @@ def inspect_checkpoint(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
 
 
 def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
-    info = _inspect(spec, ckpt.modules(spec.convert_keys), attrgetter("shape"))
+    info = _inspect(spec, ckpt.modules(spec.convert_keys), attrgetter("shape"), ckpt.config)
     misfits = dict(info.misfits)
     config = ckpt.config
     skip = set(misfits) | set(info.unmapped)  # judged already, or another node's
@@ -171,7 +190,8 @@ def module_reasons(problems: dict[str, str]) -> list[str]:
         by_reason.setdefault(why, []).append(module)
     lines = []
     for why, modules in by_reason.items():
-        more = f" (and {len(modules) - 1} more modules alike)" if len(modules) > 1 else ""
+        n = len(modules) - 1
+        more = f" (and {n} more module{'s' if n > 1 else ''} alike)" if n else ""
         lines.append(f"module {modules[0]}: {why}{more}")
     return lines
 

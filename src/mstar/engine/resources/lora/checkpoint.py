@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -242,7 +243,19 @@ def alpha_value(e: TensorEntry, read: Callable[[TensorEntry], torch.Tensor]) -> 
 
 
 def default_name(path: str | os.PathLike[str]) -> str:
-    """A directory's name; a file's stem, or its directory's name for PEFT's adapter_model.safetensors."""
+    """A directory's name; a file's stem, or its directory's name for PEFT's adapter_model.safetensors; a
+    Hub id's repo name, with its revision where one is given (a commit's first 12 hex digits, a ref's
+    slashes as dashes): `org/repo@<commit>` is `repo@0123456789ab`."""
+    try:
+        found = hub.hub_id(path)
+    except OSError:  # a name too long to look up is no Hub id either
+        found = None
+    if found is not None:
+        repo, revision = found
+        name = repo.split("/")[1]
+        if revision is None:
+            return name
+        return f"{name}@{revision[:12] if re.fullmatch(r'[0-9a-f]{40}', revision) else revision.replace('/', '-')}"
     p = Path(path)
     try:
         is_dir = p.is_dir()

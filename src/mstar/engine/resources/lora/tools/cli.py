@@ -14,7 +14,9 @@ EXIT_CODES = """exit status:
   0  every adapter named was checked and can be served
   1  an adapter cannot be served (each one is named, with every reason)
   2  the command is wrong: an unknown option or preset, a model config or --serving file that cannot be
-     read, two adapters of one name, a --max-rank that is not a positive integer"""
+     read, two adapters of one name, no adapter at all, check without --max-rank, a --max-rank or
+     --max-expert-rank that is not a positive integer"""
+DTYPES = ("bfloat16", "float16", "float32")  # a host tier's, as LoraManager.build(dtype=) takes them
 FORMAT = argparse.RawDescriptionHelpFormatter
 
 
@@ -54,7 +56,14 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         c.add_argument("adapters", nargs="+" if name == "inspect" else "*", metavar="ADAPTER",
                        help="an adapter directory, safetensors file or Hub id, optionally NAME=PATH (a path "
                             "that exists is a path, = and all)")
-        c.add_argument("--max-rank", type=positive, default=64, help="the pool's max_rank (default 64)")
+        if name == "check":  # the gate decides with the deployment's max_rank, never a default of ours
+            c.add_argument("--max-rank", type=positive, required=True,
+                           help="the deployment's max_rank (LoraManager.build(max_rank=)), required")
+            c.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                           help="the host tier's dtype, for the host bytes (LoraManager.build(dtype=)); default "
+                                "bfloat16, as the manager's")
+        else:
+            c.add_argument("--max-rank", type=positive, default=64, help="the pool's max_rank (default 64)")
         c.add_argument("--max-expert-rank", type=positive, help="a mixture of experts' max_rank for experts "
                                                                "(default: --max-rank)")
         c.add_argument("--json", action="store_true", help="one JSON object per adapter (see the README)")

@@ -24,7 +24,7 @@ from ..check import (
     module_reasons,
     unservable,
 )
-from ..checkpoint import Checkpoint, default_name, open_checkpoint, refusal
+from ..checkpoint import WEIGHTS, Checkpoint, default_name, open_checkpoint, refusal
 from ..json_file import read_json
 from ..layout import SlotLayout
 from ..models import specs_from_config
@@ -113,7 +113,7 @@ def adapter_row(specs: dict[str, LoraSpec], name: str, path: str) -> tuple[Row, 
         ckpt = open_checkpoint(path, name)
     except (ValueError, OSError) as e:  # an OSError too is this adapter's, never the gate's crash
         why = str(e) if isinstance(e, ValueError) else str(refusal(name, path, [e.strerror or str(e)]))
-        return {**row, "reason": why, "reasons": [why]}, None
+        return {**row, "file_bytes": _file_bytes(path), "reason": why, "reasons": [why]}, None
     row["file_bytes"] = ckpt.size
     nodes = list(specs.values())
     try:  # what cannot be inspected (an alpha that is not a number, say) is a reason like any other
@@ -131,6 +131,17 @@ def adapter_row(specs: dict[str, LoraSpec], name: str, path: str) -> tuple[Row, 
     if reasons:
         return {**row, "reason": str(ckpt.refusal(reasons)), "reasons": reasons}, ckpt
     return {**row, "verdict": "ok", "reasons": []}, ckpt
+
+
+def _file_bytes(path: str) -> int | None:
+    """The size of the weights file a local path names, where one is there though it could not be opened as
+    a checkpoint (a truncated file, a folder lacking its config); None where there is none (or a Hub id)."""
+    p = Path(path)
+    try:
+        weights = p / WEIGHTS if p.is_dir() else p
+        return weights.stat().st_size if weights.is_file() else None
+    except OSError:  # a name too long to look up
+        return None
 
 
 def module_rows(specs: dict[str, LoraSpec], ckpt: Checkpoint) -> list[Row]:
@@ -191,12 +202,10 @@ def _joined(values: Sequence[Any]) -> str:
 def _cells(row: Row, verdict: str) -> Row:
     """An adapter row as a table shows it: sizes in units, the digest cut (--json has it whole)."""
     out = {**row, "rank": _shown(row["rank"]), "scaling": _shown(row["scaling"]), "targets": ",".join(row["targets"]),
-           "size": "" if row["file_bytes"] is None else size(row["file_bytes"]), "verdict": verdict}
+           "size": "-" if row["file_bytes"] is None else size(row["file_bytes"]), "verdict": verdict}
     for field in ("host_bytes", "expert_bytes"):
-        if row.get(field) is not None:
-            out[field.replace("_", " ")] = size(row[field])
-    if row.get("digest"):
-        out["digest"] = row["digest"][:16]
+        out[field.replace("_", " ")] = "-" if row.get(field) is None else size(row[field])
+    out["digest"] = row["digest"][:16] if row.get("digest") else "-"
     return out
 
 
@@ -254,7 +263,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not adapters:
         raise UsageError("no adapters named (ADAPTER arguments or --serving FILE)")
     nodes = list(specs.values())
-    layouts = {name: SlotLayout(spec, dtype=spec.dtype) for name, spec in specs.items()}
+    import torch
+
+    dtype = getattr(torch, args.dtype)
+    layouts = {name: SlotLayout(spec, dtype=dtype) for name, spec in specs.items()}
     rows = []
     for name, path in tqdm(adapters.items(), desc="checking", unit="adapter", disable=None, file=sys.stderr):
         row, ckpt = adapter_row(specs, name, path)
@@ -274,7 +286,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         total = sum(r["host_bytes"] for r in rows if r["verdict"] == "ok")
         served = len(rows) - len(bad)
         print(f"\nhost bytes of the {served} adapter{'s' if served != 1 else ''} served: {size(total)} at max_rank "
-              f"{args.max_rank} ({total} bytes, world size 1, {nodes[0].dtype})")
+              f"{args.max_rank}, {args.dtype} ({total} bytes, world size 1)")
     if bad:
         print(f"\n{unservable([r['reason'] for r in bad], len(rows))}", file=sys.stderr)
         return 1
