@@ -19,6 +19,8 @@ from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
 from .memory import tensor_checkpoint
 from .spec import AdapterInfo, Location, LoraSpec, as_linear, canonical_index
 
+# Past this many tensors, a header listing more than the specs can serve is refused by its count alone.
+EARLY_REFUSAL = 4096
 # Modules whose LoRA changes the vocabulary side of the model, which the pool does not serve.
 _VOCAB_MODULES = ("lm_head", "embed_tokens", "wte", "embed_out", "output_layer")
 
@@ -223,6 +225,13 @@ def check_checkpoint(spec: LoraSpec, ckpt: Checkpoint, others: Sequence[LoraSpec
     if not ckpt.header.tensors:  # serving it would be the base model under an adapter's name
         raise ckpt.refusal(["it holds no weights"])
     specs = (spec, *others)
+    most = most_tensors(specs)
+    # Refused before any of them is grouped, located or matched; a small header is judged module by module
+    # (milliseconds), which names what is wrong with each.
+    if len(ckpt.header.tensors) > max(most, EARLY_REFUSAL):
+        raise ckpt.refusal([f"its header lists {len(ckpt.header.tensors)} tensors, more than the {most} that "
+                            f"{', '.join(s.name for s in specs)} can serve (A, B and an alpha for each layer and "
+                            "slice of each target)"])
     problems = adapter_problems(specs, ckpt)
     if problems:
         raise ckpt.refusal(module_reasons(problems))
@@ -231,6 +240,12 @@ def check_checkpoint(spec: LoraSpec, ckpt: Checkpoint, others: Sequence[LoraSpec
         if s.convert_keys not in digests:
             digests[s.convert_keys] = adapter_digest(ckpt, s.convert_keys, threads=hash_threads)
     return digests[spec.convert_keys]
+
+
+def most_tensors(specs: Sequence[LoraSpec]) -> int:
+    """The most tensors an adapter these specs serve can list: every module lies on a layer and slice of a
+    target no other module takes, and holds A, B and at most an alpha; any other weight is refused."""
+    return 3 * sum(t.layers * t.slices for s in specs for t in s.targets.values())
 
 
 def adapter_problems(specs: Sequence[LoraSpec], ckpt: Checkpoint) -> dict[str, str]:
