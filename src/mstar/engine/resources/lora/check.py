@@ -15,6 +15,7 @@ import torch
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import HASH_ON_EVERY_CORE, adapter_digest
 from .experts import stacked_misfit, stacked_orientations
+from .header_json import no_collection
 from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
 from .memory import tensor_checkpoint
 from .spec import AdapterInfo, Location, LoraSpec, as_linear, canonical_index
@@ -232,7 +233,8 @@ def check_checkpoint(spec: LoraSpec, ckpt: Checkpoint, others: Sequence[LoraSpec
         raise ckpt.refusal([f"its header lists {len(ckpt.header.tensors)} tensors, more than the {most} that "
                             f"{', '.join(s.name for s in specs)} can serve (A, B and an alpha for each layer and "
                             "slice of each target)"])
-    problems = adapter_problems(specs, ckpt)
+    with no_collection():  # a header never seen: tens of thousands of objects, none cyclic
+        problems = adapter_problems(specs, ckpt)
     if problems:
         raise ckpt.refusal(module_reasons(problems))
     digests: dict = {}
