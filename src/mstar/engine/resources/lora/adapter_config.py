@@ -115,8 +115,21 @@ def _layer_regex(pattern: str | None) -> re.Pattern[str]:
 def _names(names: frozenset[str] | str, module: str) -> bool:
     if isinstance(names, str):
         return patterns.fullmatch(names, module)
-    # PEFT: the name itself, or a dotted suffix of it, is listed
-    return module in names or any(module[i + 1 :] in names for i, ch in enumerate(module) if ch == ".")
+    # PEFT: the name itself, or a dotted suffix of it, is listed (a suffix as long as one listed, after a dot)
+    return module in names or any(module[-n - 1 : -n] == "." and module[-n:] in names for n in _lengths(names)) \
+        or ("" in names and module.endswith("."))
+
+
+def _lengths(names: frozenset[str]) -> tuple[int, ...]:
+    lengths = _LENGTHS.get(id(names))
+    if lengths is None or lengths[0] is not names:
+        if len(_LENGTHS) > 256:
+            _LENGTHS.clear()
+        lengths = _LENGTHS[id(names)] = (names, tuple({len(n) for n in names if n}))
+    return lengths[1]
+
+
+_LENGTHS: dict[int, tuple[frozenset[str], tuple[int, ...]]] = {}
 
 
 def _pattern_value(values: Mapping[str, float], module: str, default: float) -> float:

@@ -24,6 +24,8 @@ from .spec import AdapterInfo, Location, LoraSpec, as_linear, canonical_index
 EARLY_REFUSAL = 4096
 # Modules whose LoRA changes the vocabulary side of the model, which the pool does not serve.
 _VOCAB_MODULES = ("lm_head", "embed_tokens", "wte", "embed_out", "output_layer")
+_VOCAB_ENDINGS = tuple(f".{m}" for m in _VOCAB_MODULES)
+_PAIR = frozenset({"A", "B"})
 
 
 def misfit(spec: LoraSpec, module: str, a_shape: Sequence[int], b_shape: Sequence[int]) -> str | None:
@@ -31,9 +33,14 @@ def misfit(spec: LoraSpec, module: str, a_shape: Sequence[int], b_shape: Sequenc
     loc = spec.locate(module)
     if loc is None:
         return f"no {spec.name} target maps it"
+    return misfit_at(spec, loc, tuple(a_shape), tuple(b_shape))
+
+
+def misfit_at(spec: LoraSpec, loc: Location, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> str | None:
+    """misfit of a module at loc: a function of where it lands and its shapes alone, not of its name, so
+    the modules of one template (every layer's, every expert's) are judged once per distinct answer."""
     name, layer, s = loc
     t = spec.targets[name]
-    a_shape, b_shape = tuple(a_shape), tuple(b_shape)
     if layer >= t.layers:
         return f"layer {layer} is past the {t.layers} layers of target {name}"
     if t.experts is not None and s is None:
@@ -75,13 +82,19 @@ def _inspect(spec: LoraSpec, modules: dict[str, ModuleKeys], shape: Callable[[An
     """inspect_keys over modules already grouped, whose role values give their shape through shape."""
     rank, unmapped, misfits, targets = 0, [], {}, set()
     placed: dict[tuple[str, int, int], str] = {}
+    judged: dict[tuple, str | None] = {}  # misfit_at by (target, layer past the target's or -1, slice, shapes)
     for module, keys in sorted(modules.items()):
         roles = {role: shape(v) for role, v in keys.roles.items()}
         loc = spec.locate(module)
         if "A" in roles and loc is not None:  # another node's module is that node's to size
             rank = max(rank, module_rank(spec, loc, roles["A"]))
-        why = refused_roles(module, roles, keys.doubled) or (
-            None if loc is None else _unpaired(roles) or misfit(spec, module, roles["A"], roles["B"]))
+        why = refused_roles(module, roles, keys.doubled) or (None if loc is None else _unpaired(roles))
+        if why is None and loc is not None:
+            a, b = tuple(roles["A"]), tuple(roles["B"])
+            key = (loc.target, loc.layer if loc.layer >= spec.targets[loc.target].layers else -1, loc.slice, a, b)
+            if key not in judged:
+                judged[key] = misfit_at(spec, loc, a, b)
+            why = judged[key]
         if why:
             misfits[module] = why
         elif loc is None:
@@ -108,6 +121,8 @@ def module_rank(spec: LoraSpec, loc: Location | None, a_shape: Sequence[int]) ->
 def refused_roles(module: str, roles: dict[str, tuple[int, ...]], doubled: Sequence[tuple[str, str]]) -> str | None:
     """Why a module is refused whichever node would serve it: weights that are not plain LoRA (by
     name), two keys for one weight, an alpha that is not one number, LoRA on the vocabulary."""
+    if not doubled and "alpha" not in roles and roles.keys() <= _PAIR:  # most modules: just A and B
+        return _vocab(module)
     odd = sorted(r for r in roles if r not in SERVED_ROLES)
     why = [ROLE_REASONS.get(r, f"a {r} weight is not LoRA") for r in odd]
     # a weight refused by its role is refused once, however many keys it has (LoHa has six)
@@ -116,7 +131,11 @@ def refused_roles(module: str, roles: dict[str, tuple[int, ...]], doubled: Seque
         return "; ".join(why)
     if "alpha" in roles and math.prod(roles["alpha"]) != 1:
         return f"alpha {list(roles['alpha'])} is not one number"
-    if module.rsplit(".", 1)[-1] in _VOCAB_MODULES:
+    return _vocab(module)
+
+
+def _vocab(module: str) -> str | None:
+    if module.endswith(_VOCAB_ENDINGS) or module in _VOCAB_MODULES:
         return f"LoRA on {module.rsplit('.', 1)[-1]} is not served"
     return None
 
