@@ -77,8 +77,8 @@ def main() -> None:
           f"json.loads {ms(t['json'])}, orjson (collector off) {ms(t['orjson'])} -> {t['check'] / t['json']:.2f}x "
           f"json.loads, {t['check'] / t['orjson']:.2f}x orjson (target <= 3x)")
     print(f"hostile header (250,000 tensors, {len(bad_text) / 1e6:.1f} MB): refused in {ms(t['refuse'])}; json.loads "
-          f"{ms(t['bad json'])}, orjson (collector off) {ms(t['bad orjson'])} -> {t['refuse'] / t['bad json']:.2f}x json.loads, "
-          f"{t['refuse'] / t['bad orjson']:.2f}x orjson")
+          f"{ms(t['bad json'])}, orjson (collector off) {ms(t['bad orjson'])} -> "
+          f"{t['refuse'] / t['bad json']:.2f}x json.loads, {t['refuse'] / t['bad orjson']:.2f}x orjson")
 
 
 if __name__ == "__main__":
