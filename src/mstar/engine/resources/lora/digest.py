@@ -63,7 +63,7 @@ def data_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, threads: int 
     """The BLAKE3 of the tensors' bytes in name order, read from the checkpoint's file or pushed tensors in
     chunks hashed on threads cores, GIL released."""
     try:
-        return hash_stream(checkpoint.data, hash_runs(checkpoint, convert_keys), threads, prefetch=threads != 1)
+        return hash_stream(checkpoint.data, hash_runs(checkpoint, convert_keys), threads)
     except ValueError as e:
         raise checkpoint.refusal([str(e)]) from None
 
@@ -79,11 +79,9 @@ _BUFFERS = threading.local()
 
 
 def hash_stream(source: Source, runs: list[tuple[int, int]], threads: int = HASH_ON_EVERY_CORE,
-                visit: Visit | None = None, prefetch: bool = True) -> bytes:
-    """The BLAKE3 of the runs' bytes read from source, the next chunk read while this one is hashed (unless
-    not prefetch: the startup check hashes a file a core, every core busy, where a reading thread beside
-    each only contends for them); each chunk is shown to visit(offset, bytes) first (a read lays its pieces
-    out of the very bytes it hashes)."""
+                visit: Visit | None = None) -> bytes:
+    """The BLAKE3 of the runs' bytes read from source, the next chunk read while this one is hashed; each
+    chunk is shown to visit(offset, bytes) first (a read lays its pieces out of the very bytes it hashes)."""
     h = blake3.blake3(max_threads=threads)
     chunks = [(at, min(CHUNK, stop - at)) for start, stop in runs for at in range(start, stop, CHUNK)]
     if not hasattr(_BUFFERS, "pair"):  # each hashing thread's own, kept: a fresh one faults on every page
@@ -96,13 +94,6 @@ def hash_stream(source: Source, runs: list[tuple[int, int]], threads: int = HASH
         source.read_into([view], at)
         return view
 
-    if not prefetch:
-        for i, (at, _) in enumerate(chunks):
-            view = fill(i)
-            if visit is not None:
-                visit(at, view)
-            h.update(view)
-        return h.digest()
     pending = _PREFETCH.submit(fill, 0) if chunks else None
     try:
         for i in range(len(chunks)):
