@@ -7,12 +7,14 @@ import json
 import struct
 
 import pytest
+import safetensors.torch
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 from tiny import make_adapter, model_config
 
+from mstar.engine.resources.lora import header_json
 from mstar.engine.resources.lora.models import specs_from_config
 from mstar.engine.resources.lora.safetensors_header import MAX_HEADER_BYTES, Header, parse_header, read_header
 from mstar.engine.resources.lora.store import check_adapter_file
@@ -125,3 +127,61 @@ def test_arbitrary_headers_give_a_header_or_a_value_error(header, data_len):
         return
     end = max((e.stop for e in parsed.tensors.values()), default=parsed.data_start)
     assert end == len(data), "an accepted header accounts for every data byte"
+
+
+@contextlib.contextmanager
+def standard_library_only():
+    """The header parsed as without the optional orjson: the standard library's parse, duplicates refused by its
+    hook."""
+    saved, header_json.orjson = header_json.orjson, None
+    try:
+        yield
+    finally:
+        header_json.orjson = saved
+
+
+def outcome(data: bytes) -> object:
+    try:
+        h = parse_header(data, len(data))
+    except ValueError as e:
+        return ("refused", str(e))
+    return (h.tensors, h.metadata, h.data_start)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=4), entries | json_values, max_size=4), st.integers(0, 48))
+def test_orjson_and_the_standard_library_read_every_header_alike(header, data_len):
+    data = raw_file(header, b"\0" * data_len)
+    with standard_library_only():
+        slow = outcome(data)
+    assert outcome(data) == slow
+
+
+E = json.dumps(entry())
+TWICE = {
+    "a tensor": '{"a":' + E + ',"a":' + E + "}",
+    "a tensor with a colon in its name": '{"a:b":' + E + ',"a:b":' + E + "}",
+    "an entry's dtype": '{"a":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}}',
+    "the metadata": '{"__metadata__":{"k":"v"},"__metadata__":{"k":"v"},"a":' + E + "}",
+    "a metadata key": '{"__metadata__":{"k":"v:w","k":"v"},"a":' + E + "}",
+    "a key whose first value is no entry": '{"a":1,"a":' + E + "}",
+}
+
+
+@pytest.mark.parametrize("case", list(TWICE))
+def test_a_key_written_twice_is_refused_by_either_parse(case):
+    data = raw_text(TWICE[case], b"\0" * 8)
+    for parse in (contextlib.nullcontext, standard_library_only):
+        with parse(), pytest.raises(ValueError, match="appears twice"):
+            parse_header(data, len(data))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=4), entries | json_values, max_size=4), st.integers(0, 48))
+def test_what_safetensors_refuses_is_refused(header, data_len):
+    data = raw_file(header, b"\0" * data_len)
+    try:
+        safetensors.torch.load(data)
+    except Exception:  # the library raises its own error types, and Python's
+        with pytest.raises(ValueError):
+            parse_header(data, len(data))

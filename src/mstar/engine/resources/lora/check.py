@@ -16,12 +16,17 @@ from .adapter_config import AdapterConfig
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import HASH_ON_EVERY_CORE, adapter_digest
 from .experts import stacked_misfit, stacked_orientations
+from .header_json import no_collection
 from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
 from .memory import tensor_checkpoint
 from .spec import AdapterInfo, Location, LoraSpec, as_linear, canonical_index
 
+# Past this many tensors, a header listing more than the specs can serve is refused by its count alone.
+EARLY_REFUSAL = 4096
 # Modules whose LoRA changes the vocabulary side of the model, which the pool does not serve.
 _VOCAB_MODULES = ("lm_head", "embed_tokens", "wte", "embed_out", "output_layer")
+_VOCAB_ENDINGS = tuple(f".{m}" for m in _VOCAB_MODULES)
+_PAIR = frozenset({"A", "B"})
 
 
 def misfit(spec: LoraSpec, module: str, a_shape: Sequence[int], b_shape: Sequence[int],
@@ -31,9 +36,16 @@ def misfit(spec: LoraSpec, module: str, a_shape: Sequence[int], b_shape: Sequenc
     loc = spec.locate(module)
     if loc is None:
         return f"no {spec.name} target maps it"
+    return misfit_at(spec, loc, tuple(a_shape), tuple(b_shape), config, module)
+
+
+def misfit_at(spec: LoraSpec, loc: Location, a_shape: tuple[int, ...], b_shape: tuple[int, ...],
+              config: AdapterConfig | None = None, module: str = "") -> str | None:
+    """misfit of a module at loc: a function of where it lands and its shapes alone, not of its name, so
+    the modules of one template (every layer's, every expert's) are judged once per distinct answer; only a
+    rank disagreement between A and B reads the module's r from config, to name the odd factor."""
     name, layer, s = loc
     t = spec.targets[name]
-    a_shape, b_shape = tuple(a_shape), tuple(b_shape)
     if layer >= t.layers:
         return f"layer {layer} is past the {t.layers} layers of target {name}"
     if t.experts is not None and s is None:
@@ -91,13 +103,21 @@ def _inspect(spec: LoraSpec, modules: dict[str, ModuleKeys], shape: Callable[[An
     config where there is one."""
     rank, unmapped, misfits, targets = 0, [], {}, set()
     placed: dict[tuple[str, int, int], str] = {}
+    judged: dict[tuple, str | None] = {}  # misfit_at by (target, layer past the target's or -1, slice, shapes)
     for module, keys in sorted(modules.items()):
         roles = {role: shape(v) for role, v in keys.roles.items()}
         loc = spec.locate(module)
         if "A" in roles and loc is not None:  # another node's module is that node's to size
             rank = max(rank, module_rank(spec, loc, roles["A"]))
-        why = refused_roles(module, roles, keys.doubled) or (
-            None if loc is None else _unpaired(roles) or misfit(spec, module, roles["A"], roles["B"], config))
+        why = refused_roles(module, roles, keys.doubled) or (None if loc is None else _unpaired(roles))
+        if why is None and loc is not None:
+            a, b = tuple(roles["A"]), tuple(roles["B"])
+            key = (loc.target, loc.layer if loc.layer >= spec.targets[loc.target].layers else -1, loc.slice, a, b)
+            if key not in judged:
+                judged[key] = misfit_at(spec, loc, a, b)
+            why = judged[key]
+            if why is not None and config is not None and as_linear(a)[0] != as_linear(b)[1]:
+                why = misfit_at(spec, loc, a, b, config, module)  # which factor disagrees is the module's r
         if why:
             misfits[module] = why
         elif loc is None:
@@ -124,6 +144,8 @@ def module_rank(spec: LoraSpec, loc: Location | None, a_shape: Sequence[int]) ->
 def refused_roles(module: str, roles: dict[str, tuple[int, ...]], doubled: Sequence[tuple[str, str]]) -> str | None:
     """Why a module is refused whichever node would serve it: weights that are not plain LoRA (by
     name), two keys for one weight, an alpha that is not one number, LoRA on the vocabulary."""
+    if not doubled and "alpha" not in roles and roles.keys() <= _PAIR:  # most modules: just A and B
+        return _vocab(module)
     odd = sorted(r for r in roles if r not in SERVED_ROLES)
     why = [ROLE_REASONS.get(r, f"a {r} weight is not LoRA") for r in odd]
     # a weight refused by its role is refused once, however many keys it has (LoHa has six)
@@ -132,7 +154,11 @@ def refused_roles(module: str, roles: dict[str, tuple[int, ...]], doubled: Seque
         return "; ".join(why)
     if "alpha" in roles and math.prod(roles["alpha"]) != 1:
         return f"alpha {list(roles['alpha'])} is not one number"
-    if module.rsplit(".", 1)[-1] in _VOCAB_MODULES:
+    return _vocab(module)
+
+
+def _vocab(module: str) -> str | None:
+    if module.endswith(_VOCAB_ENDINGS) or module in _VOCAB_MODULES:
         return f"LoRA on {module.rsplit('.', 1)[-1]} is not served"
     return None
 
@@ -244,7 +270,15 @@ def check_checkpoint(spec: LoraSpec, ckpt: Checkpoint, others: Sequence[LoraSpec
     if not ckpt.header.tensors:  # serving it would be the base model under an adapter's name
         raise ckpt.refusal(["it holds no weights"])
     specs = (spec, *others)
-    problems = adapter_problems(specs, ckpt)
+    most = most_tensors(specs)
+    # Refused before any of them is grouped, located or matched; a small header is judged module by module
+    # (milliseconds), which names what is wrong with each.
+    if len(ckpt.header.tensors) > max(most, EARLY_REFUSAL):
+        raise ckpt.refusal([f"its header lists {len(ckpt.header.tensors)} tensors, more than the {most} that "
+                            f"{', '.join(s.name for s in specs)} can serve (A, B and an alpha for each layer and "
+                            "slice of each target)"])
+    with no_collection():  # a header never seen: tens of thousands of objects, none cyclic
+        problems = adapter_problems(specs, ckpt)
     if problems:
         raise ckpt.refusal(module_reasons(problems))
     digests: dict = {}
@@ -252,6 +286,12 @@ def check_checkpoint(spec: LoraSpec, ckpt: Checkpoint, others: Sequence[LoraSpec
         if s.convert_keys not in digests:
             digests[s.convert_keys] = adapter_digest(ckpt, s.convert_keys, threads=hash_threads)
     return digests[spec.convert_keys]
+
+
+def most_tensors(specs: Sequence[LoraSpec]) -> int:
+    """The most tensors an adapter these specs serve can list: every module lies on a layer and slice of a
+    target no other module takes, and holds A, B and at most an alpha; any other weight is refused."""
+    return 3 * sum(t.layers * t.slices for s in specs for t in s.targets.values())
 
 
 def adapter_problems(specs: Sequence[LoraSpec], ckpt: Checkpoint) -> dict[str, str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import hub
+from . import hub, safetensors_header
 from .adapter_config import AdapterConfig, ModuleRule, parse_config, read_config
 from .keys import PEFT_PREFIX, ConvertKeys, ModuleKeys, group_keys
 from .safetensors_header import FLOAT_DTYPES, Header, NotSafetensors, TensorEntry, read_header
@@ -92,6 +92,9 @@ class Checkpoint:
     source: FileSource | None = None  # the weights file, open from its header on, for this checkpoint's reads
 
     def refusal(self, reasons: Iterable[str]) -> ValueError:
+        """One ValueError naming the adapter, its file and every reason; the header's parse, and all derived
+        from it, is let go of: a refused adapter keeps no memory, however many are refused."""
+        safetensors_header.forget(self.header)
         return refusal(self.name, self.weights, reasons)
 
     def __enter__(self) -> Checkpoint:
@@ -298,13 +301,16 @@ def _checkpoint(name: str, weights: Path, config_path: Path | None, source: File
     try:
         config = read_config(config_path) if config_path else None
     except (ValueError, OSError) as e:
+        safetensors_header.forget(header)
         raise refusal(name, config_path, [str(e)]) from None
     if config is None:
         try:
             config = metadata_config(header)
         except ValueError as e:
+            safetensors_header.forget(header)
             raise refusal(name, weights, [str(e)]) from None
     if config is None and any(k.startswith(PEFT_PREFIX) for k in header.tensors):
+        safetensors_header.forget(header)
         why = f"a PEFT checkpoint with no {CONFIG} beside it, so its rank and alpha are unknown"
         raise refusal(name, weights, [why])
     return Checkpoint(name, weights, header, config, source=source)

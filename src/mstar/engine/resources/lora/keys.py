@@ -56,13 +56,23 @@ ROLE_REASONS = {
 }
 
 
-@functools.lru_cache(maxsize=1 << 16)
+_LONGEST = len(_BY_LENGTH[0][0])
+
+
 def split_key(name: str) -> tuple[str, str]:
-    """(module, role) of a key by its suffix; an unknown suffix is the role "unknown"."""
+    """(module, role) of a key by its suffix; an unknown suffix is the role "unknown". Which suffix a key has
+    follows from its last _LONGEST characters alone, which the keys of one template (every layer's, often
+    every expert's) share, so the suffixes are tried once per distinct tail."""
+    n, role = _suffix(name[-_LONGEST:])
+    return (name[:-n] if n else name), role
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _suffix(tail: str) -> tuple[int, str]:
     for suffix, role in _BY_LENGTH:
-        if name.endswith(suffix):
-            return name[: -len(suffix)], role
-    return name, "unknown"
+        if tail.endswith(suffix):
+            return len(suffix), role
+    return 0, "unknown"
 
 
 def peft_keys(keys: Sequence[str]) -> dict[str, tuple[str, str]]:

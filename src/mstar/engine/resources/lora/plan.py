@@ -24,8 +24,8 @@ import torch
 
 from .checkpoint import Checkpoint
 from .experts import stacked_orientations
-from .layout import SlotLayout
-from .safetensors_header import TensorEntry
+from .layout import SlotLayout, TargetLayout
+from .safetensors_header import DTYPES, TensorEntry
 from .spec import LoraTarget, as_linear
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -213,7 +213,8 @@ def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
     ways = stacked_orientations(spec, ckpt.modules(spec.convert_keys))
     stacked = [Stacked(m, A, B, loc.target, loc.layer, ways[m])
                for m, loc, A, B in placed if spec.targets[loc.target].experts is not None and loc.slice is None]
-    placed_alone = [p for p in placed if p[0] not in {st.module for st in stacked}]
+    stacked_modules = {st.module for st in stacked}
+    placed_alone = [p for p in placed if p[0] not in stacked_modules]
     pieces = _pieces(placed_alone, layout)
     direct, staged, mapped = _sort(pieces, layout, targets)
     dense = _dense(pieces, layout, targets, direct)
@@ -242,20 +243,30 @@ def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
 
 
 def _pieces(placed: list, layout: SlotLayout) -> list[tuple[Piece, Piece]]:
-    """(A, B) pieces of every placed module and slice, cut by the sharding rule."""
+    """(A, B) pieces of every placed module and slice, cut by the sharding rule: worked out once per target
+    and slice it covers (the same for every layer and expert on it), then only the module's rank put in."""
     out = []
+    cuts: dict[tuple[str, object], list[tuple[tuple[int, int], tuple[int, int], int, int]]] = {}
     for module, (target, layer, s_), A, B in placed:
-        tl = layout.targets[target]
-        t = tl.target
-        r, starts = as_linear(A.shape)[0], t.module_rows(s_)
-        for s in t.covered(s_):
-            # A's input columns are this rank's chunk (all of them unless row-parallel); B's rows are this
-            # rank's rows of slice s, found where that slice starts in the module's B.
-            (c0, c1), (r0, r1) = tl.shard.columns, tl.shard.rows[s]
-            src = starts[s]
-            a_to, b_to = tl.a_rows(s).start, tl.b_rows(s).start
-            out.append((Piece(module, "A", A, (0, r), (c0, c1), target, layer, (a_to, a_to + r)),
-                        Piece(module, "B", B, (src + r0, src + r1), (0, r), target, layer, (b_to, b_to + r1 - r0))))
+        cut = cuts.get((target, s_))
+        if cut is None:
+            cut = cuts[target, s_] = _cuts(layout.targets[target], s_)
+        r = as_linear(A.shape)[0]
+        for columns, b_rows, a_to, b_to in cut:
+            out.append((Piece(module, "A", A, (0, r), columns, target, layer, (a_to, a_to + r)),
+                        Piece(module, "B", B, b_rows, (0, r), target, layer, (b_to, b_to + b_rows[1] - b_rows[0]))))
+    return out
+
+
+def _cuts(tl: TargetLayout, s_: object) -> list[tuple[tuple[int, int], tuple[int, int], int, int]]:
+    """For a module on slices s_ of tl's target, per slice it covers: A's input columns this rank holds (all
+    of them unless row-parallel), the rows of the module's B that are this rank's rows of that slice (found
+    where the slice starts in B), and where A's and B's rows go in a[layer] and b[layer]."""
+    t, out = tl.target, []
+    starts = t.module_rows(s_)
+    for s in t.covered(s_):
+        (r0, r1), src = tl.shard.rows[s], starts[s]
+        out.append((tl.shard.columns, (src + r0, src + r1), tl.a_rows(s).start, tl.b_rows(s).start))
     return out
 
 
@@ -263,20 +274,24 @@ def _sort(pieces: list[tuple[Piece, Piece]], layout: SlotLayout, targets: tuple[
           ) -> tuple[list[Read], list[Piece], list[Piece]]:
     """Pieces by how they are copied: direct reads (with their place), pieces to stage, pieces to map."""
     offsets, R, item = layout.offsets(targets), layout.spec.max_rank, layout.dtype.itemsize
+    # per target: where its a and its b begin in the buffer, and the rows of a[layer] and b[layer]
+    at = {n: (offsets[n], offsets[n] + layout.targets[n].b_offset * item, layout.targets[n].a_shape[1],
+              layout.targets[n].b_shape[1]) for n in targets}
+    same = {name for name, dtype in DTYPES.items() if dtype == layout.dtype}
     direct, staged, mapped = [], [], []
     for a, b in pieces:
-        tl = layout.targets[a.target]
+        a_at, b_at, a_rows, b_rows = at[a.target]
         r, cols = as_linear(a.entry.shape)
-        same = a.entry.torch_dtype == layout.dtype
+        exact = a.entry.dtype in same
         if a.columns != (0, cols):
             mapped.append(a)
-        elif same:
-            to = offsets[a.target] + (a.layer * tl.a_shape[1] + a.to_rows[0]) * cols * item
+        elif exact:
+            to = a_at + (a.layer * a_rows + a.to_rows[0]) * cols * item
             direct.append(Read(a.entry.start, r * cols * item, to, a))
         else:
             staged.append(a)
-        if same and r == R:
-            to = offsets[b.target] + (tl.b_offset + (b.layer * tl.b_shape[1] + b.to_rows[0]) * R) * item
+        if exact and r == R:
+            to = b_at + (b.layer * b_rows + b.to_rows[0]) * R * item
             direct.append(Read(b.entry.start + b.rows[0] * r * item, (b.rows[1] - b.rows[0]) * r * item, to, b))
         else:
             staged.append(b)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-import json
+import math
+import operator
 import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, NamedTuple
 
+import blake3
 import torch
+
+from . import header_json
 
 if TYPE_CHECKING:
     from .source import FileSource
@@ -22,9 +27,12 @@ MAX_TENSORS = 1 << 18
 # Module names run to a hundred characters or so; longer ones are refused, which bounds the work of
 # matching them against a config's patterns.
 MAX_NAME = 1024
-# Parsed headers kept, by the bytes of their header: what is derived from one (its plans, inspections)
-# is a small multiple of it.
-CACHE_BYTES = 64 * 1024 * 1024
+# Parsed headers kept, by the memory they hold: each is charged its bytes and TENSOR_BYTES a tensor, which
+# covers its parse (about 570 bytes a tensor of a per-expert MoE header, measured) and what one deployment
+# derives from it (grouped modules, inspections, plans, scalings: about 2 KB a tensor with them).
+# tests/test_header_memory.py measures both against the charge.
+TENSOR_BYTES = 3 * 1024
+CACHE_BYTES = 512 * 1024 * 1024
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -85,8 +93,9 @@ class Header:
     file_size: int
     memo: Memo = field(default_factory=Memo, compare=False, repr=False)
     prefix: bytes = field(default=b"", compare=False, repr=False)  # the file's first data_start bytes
-    # What makes two headers one, for caches that must outlive this object: a file's prefix, or the
-    # listing a header of pushed tensors was made from.
+    # What makes two headers one, for caches that must outlive this object: a digest of a file's prefix
+    # (a cache of thousands keeps 32 bytes of each, not its megabytes), or the listing a header of pushed
+    # tensors was made from.
     identity: object = field(default=None, compare=False, repr=False)
 
 
@@ -131,15 +140,18 @@ def parse_header(prefix: bytes, file_size: int) -> Header:
     # Every tensor's entry is an object: counting braces bounds the tensors without parsing them.
     if text.count(b"{") > 2 * MAX_TENSORS:
         raise ValueError(f"its header lists more than {MAX_TENSORS} tensors")
-    try:
-        raw = json.loads(text.decode("utf-8"), object_pairs_hook=_unique)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ValueError(f"header is not valid JSON ({e})") from None
+    with header_json.no_collection():
+        return _parse(text, prefix[: 8 + n], file_size)
+
+
+def _parse(text: bytes, head: bytes, file_size: int, fast: bool = True) -> Header:
+    parsed = header_json.parse(text, fast)
+    raw = parsed.value
     if not isinstance(raw, dict):
         raise ValueError("header is not a JSON object")
     if len(raw) > MAX_TENSORS + 1:
         raise ValueError(f"its header lists {len(raw) - 1} tensors, over the {MAX_TENSORS} this pool reads")
-    data_start = 8 + n
+    data_start, keys = len(head), len(raw)
     metadata = raw.pop("__metadata__", None)
     if metadata is None:  # absent, or null as safetensors allows
         metadata = {}
@@ -147,18 +159,55 @@ def parse_header(prefix: bytes, file_size: int) -> Header:
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise ValueError("__metadata__ is not a string-to-string map")
-    tensors = {name: _entry(name, value, data_start) for name, value in raw.items()}
+    tensors = _entries(raw, data_start)
+    strings = [*raw, *metadata, *metadata.values()]  # with the dtypes and the entries' keys, colon-free
+    if not parsed.exact and not header_json.colons_agree(text, keys + 3 * len(raw) + len(metadata), strings):
+        return _parse(text, head, file_size, fast=False)  # a key written twice: the exact parse names it
     _check_packing(tensors, data_start, file_size - data_start)
-    head = prefix[:data_start]
-    return Header(tensors, metadata, data_start, file_size, prefix=head, identity=(head, file_size))
+    return Header(tensors, metadata, data_start, file_size, prefix=head,
+                  identity=(blake3.blake3(head).digest(), file_size))
 
 
-def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        dup = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
-        raise json.JSONDecodeError(f"key {dup!r} appears twice", "", 0)
-    return out
+def _entries(raw: dict[str, object], data_start: int) -> dict[str, TensorEntry]:
+    """Every entry checked as _entry checks one, in a few passes over them all at C speed where all are well
+    formed (each distinct dtype and shape sized once); where one is not, _entry finds it and says why."""
+    fast = _well_formed(list(raw), list(raw.values()), data_start)
+    if fast is not None:
+        return fast
+    return {name: _entry(name, value, data_start) for name, value in raw.items()}
+
+
+def _well_formed(names: list[str], values: list, data_start: int) -> dict[str, TensorEntry] | None:
+    if not values:
+        return {}
+    if set(map(type, values)) != {dict} or set(map(len, values)) != {3} or max(map(len, names)) > MAX_NAME:
+        return None
+    try:
+        dtypes = [v["dtype"] for v in values]
+        shapes = [v["shape"] for v in values]
+        offsets = [v["data_offsets"] for v in values]
+    except KeyError:
+        return None
+    if set(map(type, dtypes)) != {str} or not set(dtypes) <= ITEMSIZES.keys():
+        return None
+    if set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
+        return None
+    dims, bounds = list(chain.from_iterable(shapes)), list(chain.from_iterable(offsets))
+    # types compared, not tested with isinstance: True == 1, so a bool would pass for a size
+    if dims and (set(map(type, dims)) != {int} or min(dims) < 0):
+        return None
+    if set(map(type, bounds)) != {int} or min(bounds) < 0:
+        return None
+    shapes = list(map(tuple, shapes))
+    kinds = list(zip(dtypes, shapes, strict=True))
+    sizes = {k: ITEMSIZES[k[0]] * math.prod(k[1]) for k in set(kinds)}
+    begins, ends = bounds[0::2], bounds[1::2]
+    if list(map(operator.sub, ends, begins)) != list(map(sizes.__getitem__, kinds)):
+        return None
+    starts, stops = map(data_start.__add__, begins), map(data_start.__add__, ends)
+    # tuple.__new__ makes each entry in C; TensorEntry's own __new__ is a Python call a tensor
+    return dict(zip(names, map(tuple.__new__, repeat(TensorEntry), zip(dtypes, shapes, starts, stops, strict=True)),
+                    strict=True))
 
 
 def _entry(name: str, value: object, data_start: int) -> TensorEntry:
@@ -194,6 +243,8 @@ def _entry(name: str, value: object, data_start: int) -> TensorEntry:
 
 
 def _check_packing(tensors: dict[str, TensorEntry], data_start: int, data_size: int) -> None:
+    if _packed(list(tensors.values()), data_start, data_start + data_size):
+        return
     at, prev = 0, None
     for name, e in sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].stop)):
         begin = e.start - data_start
@@ -205,6 +256,25 @@ def _check_packing(tensors: dict[str, TensorEntry], data_start: int, data_size: 
     if at != data_size:
         what = "past the end of" if at > data_size else "short of"
         raise ValueError(f"tensor data ends at byte {at}, {what} the file's {data_size} data bytes")
+
+
+def _packed(entries: list[TensorEntry], first: int, end: int) -> bool:
+    """Whether the tensors, in order of (start, stop), each begin where the last ended, from first to end:
+    the slow walk's answer, found by a sort and a comparison of whole arrays."""
+    if not entries:
+        return first == end
+    starts, stops = [e.start for e in entries], [e.stop for e in entries]
+    if starts[1:] != stops[:-1]:  # not in the file's order as listed: sorted as the walk sorts them
+        if max(stops) >= 1 << 62:
+            return False
+        begin, finish = torch.tensor(starts), torch.tensor(stops)
+        order = torch.sort(finish, stable=True).indices
+        order = order[torch.sort(begin[order], stable=True).indices]
+        begin, finish = begin[order], finish[order]
+        if not torch.equal(begin[1:], finish[:-1]):
+            return False
+        return int(begin[0]) == first and int(finish[-1]) == end
+    return starts[0] == first and stops[-1] == end
 
 
 def read_header(source: FileSource | str | os.PathLike[str]) -> Header:
@@ -225,14 +295,21 @@ def read_header(source: FileSource | str | os.PathLike[str]) -> Header:
     return cached_header(head, source.size)
 
 
+def held_bytes(header: Header) -> int:
+    """What a parsed header and what is derived from it are charged in the cache: its bytes, and
+    TENSOR_BYTES a tensor."""
+    return len(header.prefix) + TENSOR_BYTES * len(header.tensors)
+
+
 class _Cache:
-    """Parsed headers by their bytes, least recent dropped past CACHE_BYTES. Adapters trained with one
-    recipe (same modules, ranks, dtype) have byte-identical headers: a deployment's startup check
-    parses and inspects each distinct header once."""
+    """Parsed headers by their bytes, least recent dropped past limit bytes of memory held (held_bytes).
+    Adapters trained with one recipe (same modules, ranks, dtype) have byte-identical headers: a
+    deployment's startup check parses and inspects each distinct header once. A header whose adapter is
+    refused is let go (forget), so refused files, however many, keep no memory."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.nbytes = limit, 0
-        self._headers: OrderedDict[tuple[bytes, int], Header] = OrderedDict()
+        self._headers: OrderedDict[tuple[bytes, int], tuple[Header, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, prefix: bytes, file_size: int) -> Header:
@@ -240,16 +317,29 @@ class _Cache:
         with self._lock:
             if key in self._headers:
                 self._headers.move_to_end(key)
-                return self._headers[key]
+                return self._headers[key][0]
         header = parse_header(prefix, file_size)  # a refused header raises, and is not kept
+        charge = held_bytes(header)
         with self._lock:
-            if key not in self._headers and len(prefix) <= self.limit:
-                self._headers[key] = header
-                self.nbytes += len(prefix)
+            if key not in self._headers and charge <= self.limit:
+                self._headers[key] = (header, charge)
+                self.nbytes += charge
                 while self.nbytes > self.limit:
-                    (old, _), _ = self._headers.popitem(last=False)
-                    self.nbytes -= len(old)
-            return self._headers.get(key, header)
+                    _, (_, old) = self._headers.popitem(last=False)
+                    self.nbytes -= old
+            return self._headers.get(key, (header,))[0]
+
+    def forget(self, header: Header) -> None:
+        with self._lock:
+            key = (header.prefix, header.file_size)
+            kept = self._headers.get(key)
+            if kept is not None and kept[0] is header:
+                del self._headers[key]
+                self.nbytes -= kept[1]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._headers)
 
     def clear(self) -> None:
         with self._lock:
@@ -263,3 +353,9 @@ _HEADERS = _Cache(CACHE_BYTES)
 def cached_header(prefix: bytes, file_size: int) -> Header:
     """parse_header, once per distinct header bytes and file size while the cache keeps it."""
     return _HEADERS.get(prefix, file_size)
+
+
+def forget(header: Header) -> None:
+    """Let the cache go of header (its adapter was refused): its parse and all derived from it are freed
+    once its checkpoint is."""
+    _HEADERS.forget(header)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal, NamedTuple
@@ -223,6 +223,43 @@ class LoraSpec:
     def _located(self) -> dict[str, Location | None]:
         return {}
 
+    def _matches(self, module: str) -> Iterator[tuple[dict[str, str | None], str, Slices | PerExpert]]:
+        """The first pattern that matches module whole, as (its groups, target, slice): by one regex joining
+        them all, each alternative in order (a regex tries them so, so the first that matches whole is the
+        first pattern that does, with the same groups), else one pattern after another."""
+        joined = self._joined
+        if joined is None:
+            for regex, target, s in self._compiled:
+                m = regex.fullmatch(module)
+                if m:
+                    yield m.groupdict(), target, s
+                    return
+            return
+        m = joined.fullmatch(module)
+        if m:
+            i = int(m.lastgroup[2:])
+            _, target, s = self.patterns[i]
+            yield {name: m.group(group) for name, group in self._groups[i].items()}, target, s
+
+    @cached_property
+    def _groups(self) -> tuple[dict[str, str], ...]:
+        """Each pattern's named groups, by their names in the joined regex."""
+        return tuple({name: f"{name}__{i}" for name in regex.groupindex} for i, (regex, _, _) in
+                     enumerate(self._compiled))
+
+    @cached_property
+    def _joined(self) -> re.Pattern[str] | None:
+        parts = []
+        for i, (pattern, _, _) in enumerate(self.patterns):
+            if "(?P=" in pattern or re.search(r"\\[1-9]|\\g", pattern) or "__" in pattern:
+                return None  # a reference to a group, which joining renames or renumbers
+            renamed = re.sub(r"\(\?P<(\w+)>", lambda m, i=i: f"(?P<{m.group(1)}__{i}>", pattern)
+            parts.append(f"(?P<__{i}>{renamed})")
+        try:
+            return re.compile("|".join(parts)) if parts else None
+        except re.error:  # a pattern whose flags apply to all of it, say
+            return None
+
     def locate(self, module: str) -> Location | None:
         """(target, layer, slice) of a checkpoint module name, or None if no target maps it."""
         try:
@@ -230,17 +267,14 @@ class LoraSpec:
         except KeyError:
             pass
         found = None
-        for regex, target, s in self._compiled:
-            m = regex.fullmatch(module)
-            if m:
-                indices = m.groupdict()
-                layer, expert = indices.get("layer") or "0", indices.get("expert") or "0"
-                if not (canonical_index(layer) and canonical_index(expert)):
-                    break  # layers.01 or layers.١ is a name PEFT never writes, and no module has
-                if isinstance(s, PerExpert):
-                    s = int(expert) * s.per + s.offset
-                found = Location(target, int(layer), s)
-                break
+        for indices, target, s in self._matches(module):
+            layer, expert = indices.get("layer") or "0", indices.get("expert") or "0"
+            if not (canonical_index(layer) and canonical_index(expert)):
+                break  # layers.01 or layers.١ is a name PEFT never writes, and no module has
+            if isinstance(s, PerExpert):
+                s = int(expert) * s.per + s.offset
+            found = Location(target, int(layer), s)
+            break
         if len(self._located) < 1 << 20:  # adapters of one model share their module names
             self._located[module] = found
         return found

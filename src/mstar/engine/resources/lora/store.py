@@ -30,6 +30,7 @@ from .check import (
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import adapter_digest, hash_runs, hash_stream
 from .digest import manifest as digest_manifest
+from .header_json import no_collection
 from .host_memory import HostBuffers
 from .layout import SlotLayout
 from .memory import tensor_checkpoint
@@ -236,8 +237,10 @@ class LoraAdapterStore:
         return self._read(tensor_checkpoint(name, tensors, config), digest)
 
     def _read(self, ckpt: Checkpoint, digest: bytes | None) -> LoadedAdapter:
-        refuse_misfits(self.spec, ckpt)
-        p = plan(ckpt, self.layout)
+        with no_collection():  # a header never seen: tens of thousands of objects, none cyclic
+            refuse_misfits(self.spec, ckpt)
+            p = plan(ckpt, self.layout)
+            ckpt.scalings(self.spec.convert_keys)
         try:
             if digest is None:  # this rank's shard alone, unverified
                 folds = p.folds(ckpt.scalings(self.spec.convert_keys))
