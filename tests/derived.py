@@ -17,7 +17,8 @@ SMALL = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4, "nu
          "out_hidden_size": 32, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
          "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
          "linear_value_head_dim": 8, "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_d_head": 16,
-         "mamba_head_dim": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_n_groups": 1, "ssm_state_size": 8,
+         "mamba_head_dim": 16, "mamba_d_ssm": 64, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_n_groups": 1,
+         "ssm_state_size": 8, "moe_shared_expert_intermediate_size": 16,
          "n_groups": 1, "conv_kernel": 4, "patch_size": 4, "image_size": 16, "num_channels": 3,
          "projector_hidden_size": 32, "vision_output_dim": 32, "num_global_layers": 1,
          "intermediate_size_mlp": 48, "mm_tokens_per_image": 4, "global_head_dim": 8,
@@ -35,10 +36,12 @@ def tiny_config(model_type: str, **over):
 
 
 def shrink(fields: dict) -> dict:
+    """The size fields of a config's defaults, shrunk; a nested config by its own shrunk fields alone, so
+    that what its class derives from them (layer_types, per-layer lists) follows."""
     out = {k: v for k, v in SMALL.items() if k in fields}
     for k, v in fields.items():
         if isinstance(v, dict) and "model_type" in v:
-            out[k] = {**v, **shrink(v)}
+            out[k] = shrink(v)
     return out
 
 
