@@ -156,3 +156,13 @@ def test_peft_all_linear_on_a_transformers_5_moe_adapts_router_and_experts_and_i
     assert {"model.layers.1.mlp.gate", "model.layers.1.mlp.experts.gate_up_proj",
             "model.layers.3.mlp.experts.down_proj", "model.layers.0.self_attn.kv_b_proj"} <= checked
     assert not any(m.startswith("model.layers.0.mlp.") for m in checked)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama4_text"])
+def test_a_plans_styles_on_stacked_experts_read_by_how_the_class_stores_them(family):
+    """transformers' styles name a weight's dimensions: packed_colwise on Qwen3-MoE's [E, 2I, H] gate_up and
+    packed_rowwise on Llama 4's [E, H, 2I] both shard its output; rowwise on [E, H, I] and colwise on [E, I, H]
+    down_proj both its input."""
+    experts = derive(family)["experts"].targets
+    assert {n.rpartition(".")[2]: t.parallel for n, t in experts.items()} == {"gate_up_proj": "column",
+                                                                              "down_proj": "row"}
