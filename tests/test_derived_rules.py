@@ -166,3 +166,14 @@ def test_a_plans_styles_on_stacked_experts_read_by_how_the_class_stores_them(fam
     experts = derive(family)["experts"].targets
     assert {n.rpartition(".")[2]: t.parallel for n, t in experts.items()} == {"gate_up_proj": "column",
                                                                               "down_proj": "row"}
+
+
+def test_a_moe_config_with_dense_layers_beside_the_experts_is_served_by_the_derived_spec(tmp_path):
+    """The Qwen3-MoE builder's targets span every layer; with mlp_only_layers the derived spec serves it."""
+    from mstar.engine.resources.lora.models import specs_from_config
+
+    config = tiny_config("qwen3_moe", mlp_only_layers=[0])
+    specs = specs_from_config(config.to_dict(), max_rank=4)
+    assert specs["experts"].targets["model.layers.*.mlp.experts.gate_up_proj"].layer_ids == (1, 2, 3)
+    pm, path = all_linear_adapter(tmp_path, build(config))
+    assert assert_serves_peft(pm, specs, path, world_size=2)

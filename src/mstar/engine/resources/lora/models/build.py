@@ -81,6 +81,8 @@ def specs_from_config(
     except FieldError:
         raise
     except ValueError:  # no builder: derived from the model transformers builds on the meta device
+        kind = None
+    if kind is None or (kind in FAMILIES and _dense_beside_experts(CheckedConfig(raw, source, kind))):
         return specs_from_model(meta_model(raw, source), max_rank=max_rank, capacity=capacity,
                                 adapters=adapters, dtype=dtype, max_expert_rank=max_expert_rank)
     try:
@@ -94,6 +96,12 @@ def specs_from_config(
         raise ValueError(f"{source}: config lacks {e.args[0]!r}, which its architecture needs") from None
     except ValueError as e:  # the config's, as the builder found it
         raise ValueError(f"{source}: {e}") from None
+
+
+def _dense_beside_experts(config: Mapping[str, Any]) -> bool:
+    """Whether some layers have a dense MLP instead of experts, which the MoE builder's targets (on every
+    layer) do not say and the derived spec's (on the layers holding each) do."""
+    return bool(config.get("mlp_only_layers")) or config.get("decoder_sparse_step", 1) != 1
 
 
 def _positive(what: str, value: object) -> None:
