@@ -93,10 +93,16 @@ class AdapterConfig:
         if self.exclude_modules and exclude.has(module):
             return False
         if self.target_modules is None:
-            return self.target_parameters is None or _names(self.target_parameters, module)
+            return self.target_parameters is None or self._parameter_targeted(module)
         if isinstance(self.target_modules, str) and self.target_modules.lower() == "all-linear":
             return True
-        return target.has(module) or bool(self.target_parameters and _names(self.target_parameters, module))
+        return target.has(module) or self._parameter_targeted(module)
+
+    def _parameter_targeted(self, module: str) -> bool:
+        """Whether target_parameters name module's LoRA: a stacked parameter's, named module.parameter as its
+        keys are read, or a module's own weight (a router's, mlp.gate.weight)."""
+        return bool(self.target_parameters) and (_names(self.target_parameters, module)
+                                                 or _names(self.target_parameters, module + ".weight"))
 
     def layer_of(self, module: str) -> int | None:
         """The layer index PEFT reads from module for layers_to_transform, with PEFT's own regexes: the
@@ -116,7 +122,7 @@ class AdapterConfig:
             return True
         if isinstance(self.target_modules, frozenset) and module in self.target_modules:
             return True
-        if self.target_parameters and _names(self.target_parameters, module):
+        if self._parameter_targeted(module):
             return True
         return self.layer_of(module) in self.layers_to_transform
 

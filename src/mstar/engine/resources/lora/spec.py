@@ -64,6 +64,9 @@ class LoraTarget:
     heads: tuple[int | None, ...] | None = None
     kernel: tuple[int, ...] | None = None  # a conv target's kernel; in_features = c * prod(kernel)
     experts: Experts | None = None  # for a mixture-of-experts target: its slices, expert-major
+    # The model's layers that have it, in order, where not every one of range(layers) does (a hybrid
+    # model's attention, a dense first layer beside MoE layers): it holds bytes for those alone.
+    layer_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.parallel not in ("column", "row", "replicated"):
@@ -74,6 +77,19 @@ class LoraTarget:
             raise ValueError("heads needs one head count per slice")
         if self.kernel is not None and self.in_features % math.prod(self.kernel):
             raise ValueError(f"in_features {self.in_features} is not channels * prod{self.kernel}")
+        ids = self.layer_ids
+        if ids is not None and (len(ids) != self.layers or list(ids) != sorted(set(ids)) or any(i < 0 for i in ids)):
+            raise ValueError(f"layer_ids {list(ids)} are not {self.layers} increasing layer indices")
+
+    def row(self, layer: int) -> int | None:
+        """Where the model's layer lies among this target's layers; None where that layer has none."""
+        if self.layer_ids is None:
+            return layer
+        return self._rows.get(layer)
+
+    @cached_property
+    def _rows(self) -> dict[int, int]:
+        return {layer: i for i, layer in enumerate(self.layer_ids or ())}
 
     @property
     def slices(self) -> int:
@@ -168,8 +184,9 @@ class PerExpert(NamedTuple):
 
 
 class Location(NamedTuple):
-    """Where a checkpoint module lands: its target, layer and slice (None where it covers every slice,
-    a tuple where it covers those, in that order)."""
+    """Where a checkpoint module lands: its target, layer (its row among the target's layers, which is the
+    model's layer where the target is on every one) and slice (None where it covers every slice, a tuple
+    where it covers those, in that order)."""
 
     target: str
     layer: int
@@ -273,7 +290,8 @@ class LoraSpec:
                 break  # layers.01 or layers.١ is a name PEFT never writes, and no module has
             if isinstance(s, PerExpert):
                 s = int(expert) * s.per + s.offset
-            found = Location(target, int(layer), s)
+            row = self.targets[target].row(int(layer))
+            found = None if row is None else Location(target, row, s)
             break
         if len(self._located) < 1 << 20:  # adapters of one model share their module names
             self._located[module] = found

@@ -11,8 +11,10 @@ import torch
 from ..spec import LoraSpec
 from .config import ARCHITECTURES, model_type, read_model_config
 from .decoder import decoder_spec, phi3_spec
+from .derived import specs_from_model
 from .fields import CheckedConfig, FieldError
 from .flux import flux_specs
+from .meta import meta_model
 from .moe import FAMILIES, moe_specs
 from .qwen2_vl import qwen2_5_vl_specs, qwen2_vl_specs
 from .wan import wan_specs
@@ -66,7 +68,9 @@ def specs_from_config(
     """Each node's LoraSpec, keyed "language_model" and, for a vision-language model,
     "vision_tower" ("transformer" for a diffusion transformer; "experts", with max_expert_rank,
     default max_rank, for a mixture of experts); every node serves the same adapters. config is a
-    dict, a transformers PretrainedConfig, a config JSON file, a model folder or a preset's name."""
+    dict, a transformers PretrainedConfig, a config JSON file, a model folder or a preset's name.
+    An architecture no builder here knows is derived from the model transformers builds from the
+    config on the meta device (specs_from_model)."""
     _positive("max_rank", max_rank)
     _positive("capacity", capacity)
     if max_expert_rank is not None:  # never `or max_rank`: 0 is a mistake, not the default
@@ -74,6 +78,14 @@ def specs_from_config(
     raw, source = read_model_config(config)
     try:
         kind = model_type(CheckedConfig(raw, source))
+    except FieldError:
+        raise
+    except ValueError:  # no builder: derived from the model transformers builds on the meta device
+        kind = None
+    if kind is None or (kind in FAMILIES and _dense_beside_experts(CheckedConfig(raw, source, kind))):
+        return specs_from_model(meta_model(raw, source), max_rank=max_rank, capacity=capacity,
+                                adapters=adapters, dtype=dtype, max_expert_rank=max_expert_rank)
+    try:
         checked = CheckedConfig(raw, source, kind)
         extra = {"max_expert_rank": max_expert_rank} if kind in FAMILIES else {}
         return BUILDERS[kind](checked, max_rank=max_rank, capacity=capacity, adapters=dict(adapters or {}),
@@ -84,6 +96,12 @@ def specs_from_config(
         raise ValueError(f"{source}: config lacks {e.args[0]!r}, which its architecture needs") from None
     except ValueError as e:  # the config's, as the builder found it
         raise ValueError(f"{source}: {e}") from None
+
+
+def _dense_beside_experts(config: Mapping[str, Any]) -> bool:
+    """Whether some layers have a dense MLP instead of experts, which the MoE builder's targets (on every
+    layer) do not say and the derived spec's (on the layers holding each) do."""
+    return bool(config.get("mlp_only_layers")) or config.get("decoder_sparse_step", 1) != 1
 
 
 def _positive(what: str, value: object) -> None:
