@@ -23,13 +23,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .calls import STEP, SYNC, Calls
 from .models import specs_from_config
 from .pool import LoraDevicePool
 from .ranks import FAILED, MISSING, READY, gather_reasons
 from .ranks import agree as agree_states
 from .registry import Registry, Version
 from .store import LoraAdapterStore
-from .versions import agree, check_path, check_pushed
+from .versions import Checked, check_path, check_pushed
 
 
 class Request(NamedTuple):
@@ -88,7 +89,8 @@ class Entry:
 class LoraManager:
     """The engine's side of the pool: registration, per-step admission, background reads, agreement.
 
-    Every rank makes the same calls in the same order (the engine's scheduler decides once); with a
+    Every rank steps alike (the engine's scheduler decides once); registrations may come from any
+    thread and are applied at a step, where every rank applies the same ones (calls.py). With a
     process group, registrations, readiness and failures are agreed by collectives every rank makes,
     failing or not, so ranks never use different adapters and never wait on each other forever.
     stores and pools are keyed by node (the language model, a vision tower); an adapter is in once
@@ -96,7 +98,7 @@ class LoraManager:
     """
 
     def __init__(self, stores: Mapping[str, LoraAdapterStore], pools: Mapping[str, LoraDevicePool], *,
-                 group: dist.ProcessGroup | None = None, read_workers: int = 4) -> None:
+                 group: dist.ProcessGroup | None = None, read_workers: int = 4, agree_within: float = 30.0) -> None:
         if set(stores) != set(pools) or not stores:
             raise ValueError(f"one store and one pool per node, not stores {sorted(stores)} and pools {sorted(pools)}")
         if len({p.slots for p in pools.values()}) != 1:
@@ -111,6 +113,8 @@ class LoraManager:
         self._lock = threading.Lock()  # entries' reads and errors, the stores' puts beside the step's holds
         self._workers = ThreadPoolExecutor(read_workers, thread_name_prefix="mstar-lora-manager")
         self._counters = Counters()
+        self._calls = Calls(group, agree_within)
+        self._engine = threading.get_ident()  # the thread that steps (before any step, the one that built it)
         device = next(iter(pools.values())).device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -128,22 +132,29 @@ class LoraManager:
         pools = {n: LoraDevicePool(s, slots, device, rank, world_size) for n, s in specs.items()}
         return cls(stores, pools, group=group, read_workers=read_workers)
 
-    # --- registration: a call every rank makes, whatever its own part gives --------------------------
+    # --- registration: from any thread, applied at a step every rank reaches -------------------
 
     def register(self, name: str, path: str | os.PathLike[str]) -> Version:
         """name checked at path (or Hub id org/repo[@revision], pinned to its commit here) against every
         node's spec and made current: requests admitted from now on get these weights under their
         digest; running ones keep theirs. Registering a name again with other weights is a reload;
-        registering a failed name again retries it. With a process group, a rank that cannot check it
-        makes it refused on every rank."""
-        return self._register_all(agree({name: check_path(self.stores, name, path)}, self.group))[name]
+        registering a failed name again retries it. The check runs on the calling thread; the call is
+        applied as calls() says. With a process group, a rank that cannot check it makes it refused on
+        every rank."""
+        return self._call("register", (name,), {name: check_path(self.stores, name, path)})[name]
 
-    def push(self, name: str, tensors: Mapping[str, torch.Tensor], config: Any = None) -> Version:
+    def push(self, name: str, tensors: Mapping[str, torch.Tensor], config: Any = None, *,
+             copy: bool = False) -> Version:
         """register for weights in memory (a trainer's new LoRA weights, say): checked, digested as the
         same weights saved as a file would be, and served as a new version of name, never half-visible.
         The tensors are read, never written; the manager keeps them to read again after an eviction,
-        and refuses them if they change meanwhile (push again instead)."""
-        return self._register_all(agree({name: check_pushed(self.stores, name, tensors, config)}, self.group))[name]
+        and refuses them if they change meanwhile (push again instead). copy=True keeps a copy of them
+        as they are at the push instead (one memcpy of their bytes, and that memory held while the
+        version is served): for tensors that go on changing, a live model's parameters under an
+        optimizer, say."""
+        if copy and isinstance(tensors, Mapping):
+            tensors = {k: t.detach().clone() if isinstance(t, torch.Tensor) else t for k, t in tensors.items()}
+        return self._call("register", (name,), {name: check_pushed(self.stores, name, tensors, config)})[name]
 
     def register_all(self, adapters: Mapping[str, str | os.PathLike[str]]) -> dict[str, Version]:
         """The serving config at startup: every adapter checked (on every core), raising naming every
@@ -151,34 +162,60 @@ class LoraManager:
         the commit it names is the one checked and read."""
         with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="mstar-lora-check") as pool:
             checked = pool.map(lambda kv: check_path(self.stores, *kv, hash_threads=1), adapters.items())
-            return self._register_all(agree(dict(zip(adapters, checked, strict=True)), self.group))
-
-    def _register_all(self, versions: dict[str, Version]) -> dict[str, Version]:
-        for v in versions.values():
-            self._register(v)
-        return versions
-
-    def _register(self, version: Version) -> None:
-        with self._lock:
-            entry = self._entries.get(version.key)
-            if entry is None:
-                self._entries[version.key] = Entry(version)
-            else:  # the same weights again: a failed read is tried anew, with the version as given now
-                entry.version, entry.error = version, None
-                entry.registered += 1
-            # under the lock a step's collection takes: the entry is never collected as stale before its
-            # version is current (a reload registered from another thread than the step's was never read)
-            self.registry.register(version)
+            return self._call("register", tuple(adapters), dict(zip(adapters, checked, strict=True)))
 
     def unregister(self, name: str) -> None:
         """No new request gets name; its memory is freed once no running request uses it."""
-        with self._lock:  # as registrations are: one racing it from another thread leaves no key current
-            self.registry.unregister(name)
+        self._call("unregister", (name,))
+
+    def _call(self, kind: str, names: tuple[str, ...], checked: Mapping[str, Checked] | None = None) -> Any:
+        """A call queued, then applied, and its outcome (a ValueError raised). Without a process group it is
+        applied at once, under the lock the step takes. With one, a call from the engine thread (the one that
+        steps, or built the manager before any step) is agreed at once, as every rank makes it at the same
+        point of its loop; a call from any other thread waits for the next step, which applies it on every
+        rank alike (a call made on some ranks only is refused, after agree_within seconds, never a hang)."""
+        call = self._calls.put(kind, names, checked)
+        if self.group is None or threading.get_ident() == self._engine:
+            try:
+                self._apply(SYNC)
+            except ValueError:
+                self._calls.drop(call)  # refused here: never applied later by a round it was not agreed in
+                raise
+        return call.done.result()
+
+    def _apply(self, round_: int) -> None:
+        """The calls every rank applies now, applied, in the order every rank applies them, and their callers
+        told."""
+        for call, result in self._calls.agree(round_):
+            if isinstance(result, ValueError):
+                call.done.set_exception(result)
+                continue
+            with self._lock:
+                if call.kind == "unregister":
+                    for name in call.names:
+                        self.registry.unregister(name)
+                else:
+                    for v in result.values():
+                        self._register(v)
+            call.done.set_result(result)
+
+    def _register(self, version: Version) -> None:
+        entry = self._entries.get(version.key)
+        if entry is None:
+            self._entries[version.key] = Entry(version)
+        else:  # the same weights again: a failed read is tried anew, with the version as given now
+            entry.version, entry.error = version, None
+            entry.registered += 1
+        # under the lock a step's collection takes: the entry is never collected as stale before its
+        # version is current (a reload registered from another thread than the step's was never read)
+        self.registry.register(version)
 
     # --- the step ------------------------------------------------------------------------
 
     def step(self, running: Sequence[Request], waiting: Sequence[Request]) -> Step:
         """This step's admissions, failures and slots (see Step). Never waits on a read."""
+        self._engine = threading.get_ident()
+        self._apply(STEP)
         out = Step()
         pins = self._pins(running)
         batch = list(dict.fromkeys(v for v in pins.values() if v is not None))
@@ -415,4 +452,4 @@ class LoraManager:
         with destroy_process_group rather than whenever the manager is collected (a gloo group destroyed
         at interpreter exit can abort the process)."""
         self._workers.shutdown(wait=True)
-        self.group = None
+        self.group = self._calls.group = None

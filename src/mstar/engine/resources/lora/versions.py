@@ -9,7 +9,7 @@ instead of leaving the others waiting in the collective.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,7 +59,17 @@ def agree(checked: Mapping[str, Checked], group: dist.ProcessGroup | None) -> di
     """The checked versions, once every rank of group has checked each alike; else a ValueError, raised on
     every rank, naming each adapter that failed on some rank, or whose ranks read different weights."""
     mine = {n: v.digest if isinstance(v, Version) else v for n, v in checked.items()}
-    everyone = same_everywhere(mine, group)
+    result = outcome(checked, same_everywhere(mine, group))
+    if isinstance(result, ValueError):
+        raise result
+    return result
+
+
+def outcome(checked: Mapping[str, Checked], everyone: Sequence[Mapping[str, bytes | str]]) -> dict[str, Version] \
+        | ValueError:
+    """This rank's checked versions, if every rank's check (everyone: each rank's digest or refusal per
+    name) gave each the same digest; else a ValueError naming each adapter that failed on some rank, or
+    whose ranks read different weights. Every rank computes the same answer from the same gathered checks."""
     failures = []
     for name in checked:
         seen = [theirs.get(name) for theirs in everyone]
@@ -71,8 +81,8 @@ def agree(checked: Mapping[str, Checked], group: dist.ProcessGroup | None) -> di
                             f"(digests {', '.join(d.hex()[:16] if d else 'none' for d in seen)})")
     if failures:
         if len(checked) == 1:
-            raise ValueError(failures[0])
-        raise ValueError(f"{len(failures)} of {len(checked)} adapters cannot be served:\n" + "\n".join(failures))
+            return ValueError(failures[0])
+        return ValueError(f"{len(failures)} of {len(checked)} adapters cannot be served:\n" + "\n".join(failures))
     return dict(checked)
 
 
