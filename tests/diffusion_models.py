@@ -67,7 +67,9 @@ def sdxl_folder(path: Path, text_encoders: bool = True) -> Path:
     model(SDXL_UNET).save_config(path / "unet")
     if text_encoders:
         for name, projection in (("text_encoder", False), ("text_encoder_2", True)):
-            text_encoder(projection).config.save_pretrained(path / name)
+            encoder = text_encoder(projection)
+            encoder.config.architectures = [type(encoder).__name__]  # as a model's save_pretrained writes it
+            encoder.config.save_pretrained(path / name)
             components[name] = ["transformers", "CLIPTextModelWithProjection" if projection else "CLIPTextModel"]
     index = {"_class_name": "StableDiffusionXLPipeline", "_diffusers_version": diffusers.__version__, **components}
     (path / "model_index.json").write_text(json.dumps(index))

@@ -62,7 +62,7 @@ def meta_model(raw: Mapping[str, Any], source: str) -> nn.Module:
 
 
 def is_diffusers_config(raw: Mapping[str, Any]) -> bool:
-    return isinstance(raw.get("_class_name"), str) and "_diffusers_version" in raw or (
+    return (isinstance(raw.get("_class_name"), str) and "_diffusers_version" in raw) or (
         isinstance(raw.get("_class_name"), str) and "model_type" not in raw)
 
 

@@ -13,7 +13,7 @@ no node for that text encoder, its keys are read as the role "text_encoder", whi
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..keys import PEFT_PREFIX, split_key, trainer_key
