@@ -53,6 +53,8 @@ ROLE_REASONS = {
     "bias": "a trained bias is not served",
     "weight": "a whole weight (modules_to_save) is not served",
     "unknown": "not a LoRA weight this pool knows",
+    "text_encoder": "a text encoder's LoRA (lora_te1_ / lora_te2_ / text_encoder.*), and no text-encoder node is "
+                    "served (give the pipeline's folder, which has its text encoders, or drop them)",
 }
 
 

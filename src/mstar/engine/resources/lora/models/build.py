@@ -16,6 +16,7 @@ from .fields import CheckedConfig, FieldError
 from .flux import flux_specs
 from .meta import meta_model
 from .moe import FAMILIES, moe_specs
+from .pipeline import denoiser_specs, is_pipeline, pipeline_specs
 from .qwen2_vl import qwen2_5_vl_specs, qwen2_vl_specs
 from .wan import wan_specs
 
@@ -70,21 +71,27 @@ def specs_from_config(
     default max_rank, for a mixture of experts); every node serves the same adapters. config is a
     dict, a transformers PretrainedConfig, a config JSON file, a model folder or a preset's name.
     An architecture no builder here knows is derived from the model transformers builds from the
-    config on the meta device (specs_from_model)."""
+    config on the meta device (specs_from_model), or for a diffusers config (its _class_name) the one
+    diffusers builds ("unet" or "transformer"); a diffusers pipeline's folder gives its denoiser's node
+    and one per text encoder it has ("text_encoder", "text_encoder_2")."""
     _positive("max_rank", max_rank)
     _positive("capacity", capacity)
     if max_expert_rank is not None:  # never `or max_rank`: 0 is a mistake, not the default
         _positive("max_expert_rank", max_expert_rank)
+    kw = {"max_rank": max_rank, "capacity": capacity, "adapters": adapters, "dtype": dtype}
+    if is_pipeline(config):  # a diffusers pipeline's folder: its denoiser and text encoders
+        return pipeline_specs(config, **kw)
     raw, source = read_model_config(config)
     try:
         kind = model_type(CheckedConfig(raw, source))
     except FieldError:
         raise
-    except ValueError:  # no builder: derived from the model transformers builds on the meta device
+    except ValueError:  # no builder: derived from the model diffusers or transformers builds on the meta device
+        if isinstance(raw.get("_class_name"), str):
+            return denoiser_specs(raw, source, **kw)
         kind = None
     if kind is None or (kind in FAMILIES and _dense_beside_experts(CheckedConfig(raw, source, kind))):
-        return specs_from_model(meta_model(raw, source), max_rank=max_rank, capacity=capacity,
-                                adapters=adapters, dtype=dtype, max_expert_rank=max_expert_rank)
+        return specs_from_model(meta_model(raw, source), max_expert_rank=max_expert_rank, **kw)
     try:
         checked = CheckedConfig(raw, source, kind)
         extra = {"max_expert_rank": max_expert_rank} if kind in FAMILIES else {}

@@ -29,11 +29,11 @@ def config_file(config: str | os.PathLike[str]) -> Path:
     except OSError as e:  # a name over NAME_MAX, say
         raise ValueError(f"model config {path}: unreadable ({e.strerror or e})") from None
     if is_dir:
-        for inner in (path / CONFIG_FILE, path / "transformer" / CONFIG_FILE):
+        for inner in (path / CONFIG_FILE, path / "transformer" / CONFIG_FILE, path / "unet" / CONFIG_FILE):
             if os.path.lexists(inner):
                 return inner
-        raise ValueError(f"model folder {path}: no {CONFIG_FILE} in it (nor transformer/{CONFIG_FILE}, as a "
-                         "diffusers pipeline has)")
+        raise ValueError(f"model folder {path}: no {CONFIG_FILE} in it (nor transformer/{CONFIG_FILE} or "
+                         f"unet/{CONFIG_FILE}, as a diffusers pipeline has)")
     if os.path.lexists(path):
         return path
     if os.fspath(config) in presets():
