@@ -8,17 +8,17 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from operator import attrgetter
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .adapter_config import AdapterConfig
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import HASH_ON_EVERY_CORE, adapter_digest
 from .experts import stacked_misfit, stacked_orientations
 from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
-from .memory import tensor_checkpoint
 from .spec import AdapterInfo, Location, LoraSpec, as_linear, canonical_index
+
+if TYPE_CHECKING:
+    import torch
 
 # Modules whose LoRA changes the vocabulary side of the model, which the pool does not serve.
 _VOCAB_MODULES = ("lm_head", "embed_tokens", "wte", "embed_out", "output_layer")
@@ -234,6 +234,8 @@ def check_adapter_tensors(spec: LoraSpec, name: str, tensors: Mapping[str, torch
                           others: Sequence[LoraSpec] = ()) -> bytes:
     """check_adapter_file for an adapter pushed from memory (memory.tensor_checkpoint says what it takes);
     its digest is the one the same weights saved as a file would have."""
+    from .memory import tensor_checkpoint
+
     return check_checkpoint(spec, tensor_checkpoint(name, tensors, config), others)
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..spec import LoraSpec
 from .config import ARCHITECTURES, model_type, read_model_config
@@ -16,6 +14,9 @@ from .flux import flux_specs
 from .moe import FAMILIES, moe_specs
 from .qwen2_vl import qwen2_5_vl_specs, qwen2_vl_specs
 from .wan import wan_specs
+
+if TYPE_CHECKING:
+    import torch
 
 Builder = Callable[..., dict[str, LoraSpec]]
 
@@ -60,13 +61,14 @@ def specs_from_config(
     max_rank: int,
     capacity: int = 8,
     adapters: Mapping[str, str] | None = None,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
     max_expert_rank: int | None = None,
 ) -> dict[str, LoraSpec]:
     """Each node's LoraSpec, keyed "language_model" and, for a vision-language model,
     "vision_tower" ("transformer" for a diffusion transformer; "experts", with max_expert_rank,
     default max_rank, for a mixture of experts); every node serves the same adapters. config is a
-    dict, a transformers PretrainedConfig, a config JSON file, a model folder or a preset's name."""
+    dict, a transformers PretrainedConfig, a config JSON file, a model folder or a preset's name. dtype is
+    the specs' (default LoraSpec's, bfloat16; left out, torch is imported only once a spec is made)."""
     _positive("max_rank", max_rank)
     _positive("capacity", capacity)
     if max_expert_rank is not None:  # never `or max_rank`: 0 is a mistake, not the default
@@ -77,7 +79,7 @@ def specs_from_config(
         checked = CheckedConfig(raw, source, kind)
         extra = {"max_expert_rank": max_expert_rank} if kind in FAMILIES else {}
         return BUILDERS[kind](checked, max_rank=max_rank, capacity=capacity, adapters=dict(adapters or {}),
-                              dtype=dtype, **extra)
+                              **({} if dtype is None else {"dtype": dtype}), **extra)
     except FieldError:
         raise
     except KeyError as e:
