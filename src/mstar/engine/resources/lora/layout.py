@@ -115,7 +115,7 @@ class SlotLayout:
     spec: LoraSpec
     rank: int = 0
     world_size: int = 1
-    dtype: torch.dtype = field(default_factory=lambda: bfloat16())
+    dtype: torch.dtype = field(default_factory=bfloat16)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

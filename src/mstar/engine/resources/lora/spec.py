@@ -210,7 +210,7 @@ class LoraSpec:
     max_rank: int
     patterns: tuple[tuple[str, str, Slices | PerExpert], ...] = ()
     capacity: int = 8
-    dtype: torch.dtype = field(default_factory=lambda: bfloat16())
+    dtype: torch.dtype = field(default_factory=bfloat16)
     adapters: Mapping[str, str] = field(default_factory=dict)
     convert_keys: ConvertKeys = field(default_factory=lambda: peft_keys)
     name: str = "language_model"
