@@ -265,3 +265,26 @@ def test_a_refused_row_shows_dashes_and_a_truncated_files_size(made, tmp_path, c
     assert "None" not in " ".join(table_rows)
     for row in table_rows[1:3]:  # cut, big: refused, so neither host bytes nor a digest
         assert row.split()[-2:-1] == ["-"] and row.split().count("-") >= 2, row
+
+
+def test_check_and_inspect_import_no_torch(made, tmp_path, capsys):
+    """The startup gate runs at every start of every rank: it reads headers and config files and hashes bytes,
+    none of which needs torch, whose import was most of a check's seconds. Each command runs in a fresh
+    interpreter, and says what it says in this one (where torch is loaded)."""
+    wan = write_config(tmp_path, WAN)
+    kohya = native(save_wan_lora(tmp_path / "d"), tmp_path / "kohya.safetensors", "kohya")  # alphas, read alone
+    tensors = load_file(kohya)
+    tensors["lora_unet_blocks_1_ffn_2.alpha"] = torch.tensor(12, dtype=torch.int64)  # as some trainers store it
+    save_file(tensors, kohya)
+    config, good, big = (str(made[k]) for k in ("config", "good", "big"))
+    code = ("import sys\nfrom mstar.engine.resources.lora.tools.cli import main\ncode = main(sys.argv[1:])\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\nsys.exit(code)\n")
+    for args, status in ((["check", config, good, big, "--max-rank", "8", "--json"], 1),
+                         (["inspect", config, good, "--json"], 0),
+                         (["check", str(wan), str(kohya), "--max-rank", "8", "--json", "--dtype", "float32"], 0),
+                         (["inspect", str(wan), str(kohya), "--max-rank", "8", "--json"], 0),
+                         (["check", "qwen3-30b-a3b", good, "--max-rank", "8", "--json"], 1)):
+        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+        assert done.returncode == status, done.stderr
+        assert main(args) == status
+        assert json.loads(done.stdout) == json.loads(capsys.readouterr().out), args

@@ -8,9 +8,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from operator import attrgetter
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .adapter_config import AdapterConfig
 from .checkpoint import Checkpoint, open_checkpoint
@@ -18,8 +16,10 @@ from .digest import HASH_ON_EVERY_CORE, adapter_digest
 from .experts import stacked_misfit, stacked_orientations
 from .header_json import no_collection
 from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
-from .memory import tensor_checkpoint
 from .spec import AdapterInfo, Location, LoraSpec, as_linear, canonical_index
+
+if TYPE_CHECKING:
+    import torch
 
 # Past this many tensors, a header listing more than the specs can serve is refused by its count alone.
 EARLY_REFUSAL = 4096
@@ -261,6 +261,8 @@ def check_adapter_tensors(spec: LoraSpec, name: str, tensors: Mapping[str, torch
                           others: Sequence[LoraSpec] = ()) -> bytes:
     """check_adapter_file for an adapter pushed from memory (memory.tensor_checkpoint says what it takes);
     its digest is the one the same weights saved as a file would have."""
+    from .memory import tensor_checkpoint
+
     return check_checkpoint(spec, tensor_checkpoint(name, tensors, config), others)
 
 

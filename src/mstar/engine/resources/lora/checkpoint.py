@@ -7,20 +7,22 @@ import json
 import math
 import os
 import re
+import struct
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import hub, safetensors_header
 from .adapter_config import AdapterConfig, ModuleRule, parse_config, read_config
 from .keys import PEFT_PREFIX, ConvertKeys, ModuleKeys, group_keys
 from .safetensors_header import FLOAT_DTYPES, Header, NotSafetensors, TensorEntry, read_header
 from .source import FileSource, Source, TensorSource
-from .spec import as_linear
+
+if TYPE_CHECKING:
+    import torch
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
@@ -108,15 +110,15 @@ class Checkpoint:
         if self.source is not None:
             self.source.close()
 
-    def tensor(self, e: TensorEntry) -> torch.Tensor:
-        """The tensor e describes, as a linear's [rows, columns]: the pushed one, or its bytes read from the
-        file (for the few small tensors read on their own, such as alphas)."""
+    def number(self, e: TensorEntry) -> float | int:
+        """The value of the one-element tensor e describes (an alpha): the pushed one's, or its bytes read
+        from the file, decoded without torch."""
         if self.tensors is not None:
-            return self.tensors[self._keys[e.start]].detach().reshape(as_linear(e.shape))
+            return self.tensors[self._keys[e.start]].detach().reshape(-1)[0].item()
         data = self.source.read(e.nbytes, e.start)
         if len(data) != e.nbytes:
             raise self.refusal(["the file ended early: it was cut since its header was read"])
-        return torch.frombuffer(bytearray(data), dtype=e.torch_dtype).view(as_linear(e.shape))
+        return decode_number(e.dtype, data)
 
     @cached_property
     def _keys(self) -> dict[int, str]:
@@ -224,7 +226,7 @@ class Checkpoint:
         out: dict[str, float] = {}
         for module, e in self._alpha_entries(convert_keys).items():
             try:
-                out[module] = alpha_value(e, self.tensor)
+                out[module] = alpha_value(e, self.number)
             except ValueError as err:
                 raise self.refusal([f"module {module}: {err}"]) from None
         return out
@@ -234,12 +236,22 @@ class Checkpoint:
         return {}
 
 
-def alpha_value(e: TensorEntry, read: Callable[[TensorEntry], torch.Tensor]) -> float:
+def decode_number(dtype: str, data: bytes) -> float | int:
+    """One little-endian number of a safetensors dtype, as torch would read it (bfloat16 is float32's upper
+    half)."""
+    if dtype == "BF16":
+        return struct.unpack("<f", b"\0\0" + data)[0]
+    if dtype in ("F64", "F32", "F16"):
+        return struct.unpack({"F64": "<d", "F32": "<f", "F16": "<e"}[dtype], data)[0]
+    return int.from_bytes(data, "little", signed=dtype != "U8")
+
+
+def alpha_value(e: TensorEntry, read: Callable[[TensorEntry], float | int]) -> float:
     """The value of a one-element tensor (a trainer's alpha), read only once it is one: a float, or an
     integer, as several kohya and musubi scripts store it and kohya's loaders, diffusers and ComfyUI read it."""
     if e.dtype not in NUMBER_DTYPES or math.prod(e.shape) != 1:
         raise ValueError(f"an alpha must be one number, not {e.dtype} {list(e.shape)}")
-    value = read(e).item()
+    value = read(e)
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"alpha {value} is not a finite, non-negative number")
     return value

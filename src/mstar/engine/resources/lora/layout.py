@@ -12,12 +12,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+from .spec import LoraSpec, LoraTarget, Shard, bfloat16
 
-from .spec import LoraSpec, LoraTarget, Shard
+if TYPE_CHECKING:
+    import torch
 
 # Blocks and b start at multiples of this, so every view is aligned for any dtype and vector load.
 ALIGN = 256
@@ -25,6 +27,21 @@ ALIGN = 256
 
 def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+class HostDtype(NamedTuple):
+    """A dtype as a layout's sizes need it, without torch: its name as torch gives it and its itemsize. What
+    mstar-lora check lays its specs and layouts out in, sizing host bytes without importing torch; a store or a
+    pool, which makes tensors, takes a torch.dtype."""
+
+    name: str
+    itemsize: int
+
+    def __str__(self) -> str:
+        return self.name
+
+
+HOST_DTYPES = {d.name: d for d in (HostDtype("bfloat16", 2), HostDtype("float16", 2), HostDtype("float32", 4))}
 
 
 @dataclass(frozen=True)
@@ -98,7 +115,7 @@ class SlotLayout:
     spec: LoraSpec
     rank: int = 0
     world_size: int = 1
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = field(default_factory=bfloat16)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

@@ -18,15 +18,16 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from .checkpoint import Checkpoint
 from .experts import stacked_orientations
 from .layout import SlotLayout, TargetLayout
-from .safetensors_header import DTYPES, TensorEntry
-from .spec import LoraTarget, as_linear
+from .safetensors_header import TensorEntry, torch_dtypes
+from .spec import LoraSpec, LoraTarget, as_linear
+
+if TYPE_CHECKING:
+    import torch
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 RUN_BYTES = 1 << 30  # Linux moves at most about 2 GiB in one read
@@ -128,6 +129,8 @@ class Plan:
         the device pool keeps beside its slot so the kernels multiply ranks, not max_rank. Read-only:
         adapters of one recipe share it."""
         R = self.layout.spec.max_rank
+        import torch
+
         out = {n: torch.zeros(self.layout.targets[n].target.layers, self.layout.targets[n].target.slices,
                               dtype=torch.int32) for n in self.targets}
         for piece in [r.piece for r in (*self.direct, *self.staged)] + list(self.mapped):
@@ -199,7 +202,13 @@ def plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
 def host_bytes(ckpt: Checkpoint, layout: SlotLayout) -> int:
     """The bytes the adapter's copy takes in a host tier laid out by layout, from its header alone: the
     same on every rank of a world size, so a byte budget decides alike everywhere."""
-    return layout.nbytes(plan(ckpt, layout).targets)
+    return layout.nbytes(served_targets(ckpt, layout.spec))
+
+
+def served_targets(ckpt: Checkpoint, spec: LoraSpec) -> tuple[str, ...]:
+    """The targets of spec the checkpoint's modules fill, in the spec's order: the blocks its copy holds."""
+    found = {loc.target for module in ckpt.modules(spec.convert_keys) if (loc := spec.locate(module)) is not None}
+    return tuple(n for n in spec.targets if n in found)
 
 
 def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
@@ -209,7 +218,7 @@ def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
         loc = spec.locate(module)
         if loc is not None:
             placed.append((module, loc, keys.roles["A"], keys.roles["B"]))
-    targets = tuple(n for n in spec.targets if any(loc.target == n for _, loc, _, _ in placed))
+    targets = served_targets(ckpt, spec)
     ways = stacked_orientations(spec, ckpt.modules(spec.convert_keys))
     stacked = [Stacked(m, A, B, loc.target, loc.layer, ways[m])
                for m, loc, A, B in placed if spec.targets[loc.target].experts is not None and loc.slice is None]
@@ -277,7 +286,7 @@ def _sort(pieces: list[tuple[Piece, Piece]], layout: SlotLayout, targets: tuple[
     # per target: where its a and its b begin in the buffer, and the rows of a[layer] and b[layer]
     at = {n: (offsets[n], offsets[n] + layout.targets[n].b_offset * item, layout.targets[n].a_shape[1],
               layout.targets[n].b_shape[1]) for n in targets}
-    same = {name for name, dtype in DTYPES.items() if dtype == layout.dtype}
+    same = {name for name, dtype in torch_dtypes().items() if dtype == layout.dtype}
     direct, staged, mapped = [], [], []
     for a, b in pieces:
         a_at, b_at, a_rows, b_rows = at[a.target]

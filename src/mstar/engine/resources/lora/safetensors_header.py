@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import os
@@ -9,14 +10,15 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import chain, repeat
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import blake3
-import torch
 
 from . import header_json
 
 if TYPE_CHECKING:
+    import torch
+
     from .source import FileSource
 
 # The safetensors library refuses headers over 100 MB; an adapter's is a few hundred KB.
@@ -34,22 +36,28 @@ MAX_NAME = 1024
 TENSOR_BYTES = 3 * 1024
 CACHE_BYTES = 512 * 1024 * 1024
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+# Each safetensors dtype's torch name and size: what a header is checked and sized by, without torch (the
+# startup check imports none); DTYPES, the torch dtypes themselves, is made on first use.
+TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+               "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+ITEMSIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1}
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
-ITEMSIZES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+
+
+@functools.cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """Each safetensors dtype's torch dtype (importing torch)."""
+    import torch
+
+    return {code: getattr(torch, n) for code, n in TORCH_NAMES.items()}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":
+        return torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class TensorEntry(NamedTuple):
@@ -62,7 +70,7 @@ class TensorEntry(NamedTuple):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtypes()[self.dtype]
 
     @property
     def nbytes(self) -> int:
@@ -267,13 +275,11 @@ def _packed(entries: list[TensorEntry], first: int, end: int) -> bool:
     if starts[1:] != stops[:-1]:  # not in the file's order as listed: sorted as the walk sorts them
         if max(stops) >= 1 << 62:
             return False
-        begin, finish = torch.tensor(starts), torch.tensor(stops)
-        order = torch.sort(finish, stable=True).indices
-        order = order[torch.sort(begin[order], stable=True).indices]
-        begin, finish = begin[order], finish[order]
-        if not torch.equal(begin[1:], finish[:-1]):
+        pairs = sorted(zip(starts, stops, strict=True))  # by start, then stop, as the walk sorts (no torch here)
+        begin, finish = [p[0] for p in pairs], [p[1] for p in pairs]
+        if begin[1:] != finish[:-1]:
             return False
-        return int(begin[0]) == first and int(finish[-1]) == end
+        return begin[0] == first and finish[-1] == end
     return starts[0] == first and stops[-1] == end
 
 

@@ -17,9 +17,10 @@ import stat
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class Source(Protocol):
@@ -152,6 +153,8 @@ def unreadable_memory(t: torch.Tensor) -> str | None:
     """Why t's values are not the bytes its storage holds at its offsets, or None: a tensor subclass that
     dispatches its own ops (a FakeTensor, a DTensor, whose storage is not its values), a nested tensor, or
     a storage freed or shrunk under it (storage_shortfall)."""
+    import torch  # loaded already by whoever pushed a tensor
+
     if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
         return f"is a {type(t).__name__}, whose storage does not hold its values; push plain tensors"
     if t.is_nested:

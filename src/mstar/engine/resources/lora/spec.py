@@ -7,14 +7,23 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from .keys import ConvertKeys, peft_keys
 
+if TYPE_CHECKING:
+    import torch
+
 Parallel = Literal["column", "row", "replicated"]
 Slices = int | tuple[int, ...] | None  # which slices of its target a module covers (see LoraTarget.covered)
+
+
+def bfloat16() -> torch.dtype:
+    """The host tier's and the slots' default dtype, torch imported only where one is made with it (the
+    startup check, which passes its own, imports none)."""
+    import torch
+
+    return torch.bfloat16
 
 
 def as_linear(shape: Sequence[int]) -> tuple[int, ...]:
@@ -218,7 +227,7 @@ class LoraSpec:
     max_rank: int
     patterns: tuple[tuple[str, str, Slices | PerExpert], ...] = ()
     capacity: int = 8
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = field(default_factory=bfloat16)
     adapters: Mapping[str, str] = field(default_factory=dict)
     convert_keys: ConvertKeys = field(default_factory=lambda: peft_keys)
     name: str = "language_model"

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..spec import LoraSpec
 from .config import ARCHITECTURES, model_type, read_model_config
@@ -19,6 +17,9 @@ from .moe import FAMILIES, moe_specs
 from .pipeline import denoiser_specs, is_pipeline, pipeline_specs
 from .qwen2_vl import qwen2_5_vl_specs, qwen2_vl_specs
 from .wan import wan_specs
+
+if TYPE_CHECKING:
+    import torch
 
 Builder = Callable[..., dict[str, LoraSpec]]
 
@@ -63,7 +64,7 @@ def specs_from_config(
     max_rank: int,
     capacity: int = 8,
     adapters: Mapping[str, str] | None = None,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
     max_expert_rank: int | None = None,
 ) -> dict[str, LoraSpec]:
     """Each node's LoraSpec, keyed "language_model" and, for a vision-language model,
@@ -73,7 +74,8 @@ def specs_from_config(
     An architecture no builder here knows is derived from the model transformers builds from the
     config on the meta device (specs_from_model), or for a diffusers config (its _class_name) the one
     diffusers builds ("unet" or "transformer"); a diffusers pipeline's folder gives its denoiser's node
-    and one per text encoder it has ("text_encoder", "text_encoder_2")."""
+    and one per text encoder it has ("text_encoder", "text_encoder_2"). dtype is
+    the specs' (default LoraSpec's, bfloat16; left out, torch is imported only once a spec is made)."""
     _positive("max_rank", max_rank)
     _positive("capacity", capacity)
     if max_expert_rank is not None:  # never `or max_rank`: 0 is a mistake, not the default
@@ -96,7 +98,7 @@ def specs_from_config(
         checked = CheckedConfig(raw, source, kind)
         extra = {"max_expert_rank": max_expert_rank} if kind in FAMILIES else {}
         return BUILDERS[kind](checked, max_rank=max_rank, capacity=capacity, adapters=dict(adapters or {}),
-                              dtype=dtype, **extra)
+                              **({} if dtype is None else {"dtype": dtype}), **extra)
     except FieldError:
         raise
     except KeyError as e:

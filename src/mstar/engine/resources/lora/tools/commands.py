@@ -26,7 +26,7 @@ from ..check import (
 )
 from ..checkpoint import WEIGHTS, Checkpoint, default_name, open_checkpoint, refusal
 from ..json_file import read_json
-from ..layout import SlotLayout
+from ..layout import HOST_DTYPES, SlotLayout
 from ..models import specs_from_config
 from ..plan import host_bytes
 from ..spec import LoraSpec
@@ -38,8 +38,11 @@ Row = dict[str, Any]
 
 
 def model_specs(args: argparse.Namespace) -> dict[str, LoraSpec]:
+    """The model's specs at the command's ranks, in a torch-free dtype (HostDtype): nothing here needs torch,
+    whose import would take most of a check's time."""
     try:
-        return specs_from_config(args.model, max_rank=args.max_rank, max_expert_rank=args.max_expert_rank)
+        return specs_from_config(args.model, max_rank=args.max_rank, max_expert_rank=args.max_expert_rank,
+                                 dtype=HOST_DTYPES[getattr(args, "dtype", "bfloat16")])
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -268,10 +271,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not adapters:
         raise UsageError("no adapters named (ADAPTER arguments or --serving FILE)")
     nodes = list(specs.values())
-    import torch
-
-    dtype = getattr(torch, args.dtype)
-    layouts = {name: SlotLayout(spec, dtype=dtype) for name, spec in specs.items()}
+    layouts = {name: SlotLayout(spec, dtype=spec.dtype) for name, spec in specs.items()}
     rows = []
     for name, path in tqdm(adapters.items(), desc="checking", unit="adapter", disable=None, file=sys.stderr):
         row, ckpt = adapter_row(specs, name, path)
