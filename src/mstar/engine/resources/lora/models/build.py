@@ -9,12 +9,9 @@ from typing import TYPE_CHECKING, Any
 from ..spec import LoraSpec
 from .config import ARCHITECTURES, model_type, read_model_config
 from .decoder import decoder_spec, phi3_spec
-from .derived import specs_from_model
 from .fields import CheckedConfig, FieldError
 from .flux import flux_specs
-from .meta import meta_model
 from .moe import FAMILIES, moe_specs
-from .pipeline import denoiser_specs, is_pipeline, pipeline_specs
 from .qwen2_vl import qwen2_5_vl_specs, qwen2_vl_specs
 from .wan import wan_specs
 
@@ -81,7 +78,9 @@ def specs_from_config(
     if max_expert_rank is not None:  # never `or max_rank`: 0 is a mistake, not the default
         _positive("max_expert_rank", max_expert_rank)
     kw = {"max_rank": max_rank, "capacity": capacity, "adapters": adapters, "dtype": dtype}
-    if is_pipeline(config):  # a diffusers pipeline's folder: its denoiser and text encoders
+    if _is_pipeline(config):  # a diffusers pipeline's folder: its denoiser and text encoders
+        from .pipeline import pipeline_specs
+
         return pipeline_specs(config, **kw)
     raw, source = read_model_config(config)
     try:
@@ -90,9 +89,14 @@ def specs_from_config(
         raise
     except ValueError:  # no builder: derived from the model diffusers or transformers builds on the meta device
         if isinstance(raw.get("_class_name"), str):
+            from .pipeline import denoiser_specs
+
             return denoiser_specs(raw, source, **kw)
         kind = None
     if kind is None or (kind in FAMILIES and _dense_beside_experts(CheckedConfig(raw, source, kind))):
+        from .derived import specs_from_model  # torch and transformers: imported only for a model derived
+        from .meta import meta_model
+
         return specs_from_model(meta_model(raw, source), max_expert_rank=max_expert_rank, **kw)
     try:
         checked = CheckedConfig(raw, source, kind)
@@ -105,6 +109,15 @@ def specs_from_config(
         raise ValueError(f"{source}: config lacks {e.args[0]!r}, which its architecture needs") from None
     except ValueError as e:  # the config's, as the builder found it
         raise ValueError(f"{source}: {e}") from None
+
+
+def _is_pipeline(config: Any) -> bool:
+    """Whether config is a diffusers pipeline's folder (its model_index.json), asked without importing the
+    derivation (torch) that reads one."""
+    try:
+        return isinstance(config, (str, os.PathLike)) and os.path.isfile(os.path.join(config, "model_index.json"))
+    except (OSError, ValueError):
+        return False
 
 
 def _dense_beside_experts(config: Mapping[str, Any]) -> bool:
