@@ -93,7 +93,7 @@ def test_every_rank_reaches_the_same_verdict_however_warm_its_caches(many_module
     spec, path = many_modules
     with_config(path, rank_pattern={"q_proj": 2, COSTLY: 4})
     refusals = []
-    for warm in (False, True, True):
+    for warm in (False, True):
         if warm:
             with pytest.raises(ValueError):
                 inspect_adapter(spec, path)
