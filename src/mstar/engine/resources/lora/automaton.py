@@ -195,6 +195,8 @@ class Nfa:
         what = self.arg[s]
         if not isinstance(what, _Look):
             return what(name, pos)
+        if what.by_text:  # answered by its text's own cache
+            return what.holds(name, pos)
         looks = self.budget.looks
         answer = looks.get((what, pos))
         if answer is None:
