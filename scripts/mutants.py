@@ -302,15 +302,14 @@ MUTANTS: list[Mutant] = [
       "\\d{1,2} takes layer 100 and x? takes xx: a served rank and scaling other than PEFT's"),
     M("automaton.lookaround-not-negated", "automaton.py", "return found != self.negate", "return found",
       "(?!visual) takes the vision tower it was written to leave out"),
-    M("automaton.lookbehind-ends-early", "automaton.py", "self.nfa.run(name, pos - self.width, pos, False)",
-      "self.nfa.run(name, pos - self.width, pos, True)", "a lookbehind that matches before its position holds"),
+    M("automaton.lookbehind-read-ahead", "automaton.py", "        if self.ahead:\n            found = self.nfa.run(",
+      "        if True:\n            found = self.nfa.run(", "(?<=self_attn) asks what follows, not what precedes"),
     M("automaton.empty-non-boundary", "automaton.py", "_EMPTY[C.AT_NON_BOUNDARY] if not name else ", "",
       "\\B matches an empty name, which re's does not"),
     M("automaton.work-uncounted", "automaton.py", "        self.left -= units\n", "",
       "a config's patterns cost minutes and gigabytes, and every rank spends them"),
-    M("automaton.closure-cached-without-answers", "automaton.py", "found = self._closures.get((states, answers))",
-      "found = self._closures.get((states, ()))", "a closure cached at one position is reused where assertions answer "
-      "otherwise"),
+    M("automaton.move-cached-past-assertions", "automaton.py", "if self._reach.get(after) == ():",
+      "if True:", "a step cached at one position is reused where its assertions answer otherwise"),
 
     # --- source.py, memory.py: pushed tensors' storage ---
     M("source.storage-unchecked-at-read", "source.py", "why = storage_shortfall(t)\n", "why = None\n",

@@ -156,7 +156,7 @@ class _Names:
 
     def __init__(self, names: frozenset[str] | str | None, matching: patterns.Matching, label: str) -> None:
         self.names = names
-        if isinstance(names, str) and names.lower() != "all-linear":
+        if isinstance(names, str):
             self.regex = matching.regex(names, f"{label} {_short(names)}")
 
     def has(self, module: str) -> bool:

@@ -34,6 +34,7 @@ _CATEGORIES = {
 _SET = 64  # bytes a cached set of states is counted for, and _PER_STATE for each state in it
 _PER_STATE = 40
 _ENTRY = 120  # bytes a cache entry is counted for
+_ASK = 4  # steps an assertion's answer is counted for, beyond what a lookaround's own matching takes
 
 
 class Budget:
@@ -162,7 +163,10 @@ class Nfa:
             reach = tuple(sorted(s for s in self._walk(states, None) if self.kind[s] == ASSERT))
             self.budget.hold(_ENTRY + 8 * len(reach))
             self._reach[self._keep(states)] = reach
-        answers = tuple([self._holds(s, name, pos) for s in reach]) if reach else ()
+        answers = ()
+        if reach:  # each answer a few lookups at least: counted as _ASK steps
+            self.budget.spend(_ASK * len(reach), self.label)
+            answers = tuple([self._holds(s, name, pos) for s in reach])
         found = self._closures.get((states, answers))
         if found is None:
             holds = dict(zip(reach, answers, strict=True))
@@ -191,6 +195,8 @@ class Nfa:
         what = self.arg[s]
         if not isinstance(what, _Look):
             return what(name, pos)
+        if what.by_text:  # answered by its text's own cache
+            return what.holds(name, pos)
         looks = self.budget.looks
         answer = looks.get((what, pos))
         if answer is None:
@@ -266,12 +272,25 @@ class _Look:
 
     def __init__(self, nfa: Nfa, ahead: bool, negate: bool, width: int) -> None:
         self.nfa, self.ahead, self.negate, self.width = nfa, ahead, negate, width
+        # A lookbehind that asserts nothing itself answers by its width's characters alone, whatever the name.
+        self.by_text = not ahead and ASSERT not in nfa.kind
+        self._answers: dict[str, bool] = {}
+        nfa.budget.caches.append(self._answers)
 
     def holds(self, name: str, pos: int) -> bool:
         if self.ahead:
             found = self.nfa.run(name, pos, len(name), True)
+        elif pos < self.width:
+            found = False
+        elif self.by_text:
+            text = name[pos - self.width : pos]
+            found = self._answers.get(text)
+            if found is None:
+                found = self.nfa.run(name, pos - self.width, pos, False)
+                self.nfa.budget.hold(_ENTRY + self.width)
+                self._answers[text] = found
         else:
-            found = pos >= self.width and self.nfa.run(name, pos - self.width, pos, False)
+            found = self.nfa.run(name, pos - self.width, pos, False)
         return found != self.negate
 
 
