@@ -15,6 +15,7 @@ import dataclasses
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -23,7 +24,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from . import listing
 from .calls import STEP, SYNC, Calls
+from .listing import Page
 from .models import specs_from_config
 from .pool import LoraDevicePool
 from .ranks import FAILED, MISSING, READY, gather_reasons
@@ -107,12 +110,15 @@ class LoraManager:
         self.registry = Registry()
         self.slots = next(iter(pools.values())).slots
         self.capacity = min(s.spec.capacity for s in stores.values())
-        self._entries: dict[str, Entry] = {}  # by version key: every version registered and not yet collected
+        # by version key: the versions held, being read, or failed, made at their first hold (a registered name
+        # costs its Version alone until a request uses it) and dropped once their copy is gone
+        self._entries: dict[str, Entry] = {}
         self._pinned: dict[Hashable, Version] = {}  # running request -> the version it was admitted with
         self._seen: set[Hashable] = set()
         self._lock = threading.Lock()  # entries' reads and errors, the stores' puts beside the step's holds
         self._workers = ThreadPoolExecutor(read_workers, thread_name_prefix="mstar-lora-manager")
         self._counters = Counters()
+        self._waiting: Counter[str] = Counter()  # by adapter, the requests the last step left waiting
         self._calls = Calls(group, agree_within)
         self._engine = threading.get_ident()  # the thread that steps (before any step, the one that built it)
         device = next(iter(pools.values())).device
@@ -156,13 +162,24 @@ class LoraManager:
             tensors = {k: t.detach().clone() if isinstance(t, torch.Tensor) else t for k, t in tensors.items()}
         return self._call("register", (name,), {name: check_pushed(self.stores, name, tensors, config)})[name]
 
-    def register_all(self, adapters: Mapping[str, str | os.PathLike[str]]) -> dict[str, Version]:
+    def register_all(self, adapters: Mapping[str, str | os.PathLike[str] | Version]) -> dict[str, Version]:
         """The serving config at startup: every adapter checked (on every core), raising naming every
         one that cannot be served, on any rank, before any is registered. A Hub id is resolved once, and
-        the commit it names is the one checked and read."""
+        the commit it names is the one checked and read. A value that is a Version (from check_all) is
+        registered as checked, not hashed again."""
+        return self._call("register", tuple(adapters), self.check_all(adapters))
+
+    def check_all(self, adapters: Mapping[str, str | os.PathLike[str] | Version]) -> dict[str, Checked]:
+        """Each adapter checked (on every core), registering none: its Version, or why it cannot be served.
+        A deployment that serves the good ones passes those Versions to register_all, which then hashes no
+        file again. Each rank's own answer: register_all agrees them."""
+        def one(name: str, source: Any) -> Checked:
+            return source if isinstance(source, Version) else check_path(self.stores, name, source, hash_threads=1)
+
+        if all(isinstance(v, Version) for v in adapters.values()):
+            return dict(adapters)
         with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="mstar-lora-check") as pool:
-            checked = pool.map(lambda kv: check_path(self.stores, *kv, hash_threads=1), adapters.items())
-            return self._call("register", tuple(adapters), dict(zip(adapters, checked, strict=True)))
+            return dict(zip(adapters, pool.map(one, adapters, adapters.values()), strict=True))
 
     def unregister(self, name: str) -> None:
         """No new request gets name; its memory is freed once no running request uses it."""
@@ -177,7 +194,8 @@ class LoraManager:
         call = self._calls.put(kind, names, checked)
         if self.group is None or threading.get_ident() == self._engine:
             try:
-                self._apply(SYNC)
+                while not call.done.done():  # until every rank has made it, or it waited past agree_within
+                    self._apply(SYNC)
             except ValueError:
                 self._calls.drop(call)  # refused here: never applied later by a round it was not agreed in
                 raise
@@ -201,9 +219,7 @@ class LoraManager:
 
     def _register(self, version: Version) -> None:
         entry = self._entries.get(version.key)
-        if entry is None:
-            self._entries[version.key] = Entry(version)
-        else:  # the same weights again: a failed read is tried anew, with the version as given now
+        if entry is not None:  # the same weights again: a failed read is tried anew, with the version as given now
             entry.version, entry.error = version, None
             entry.registered += 1
         # under the lock a step's collection takes: the entry is never collected as stale before its
@@ -261,7 +277,8 @@ class LoraManager:
         with self._lock:
             c = self._counters
             c.failed_requests += len(out.failed)
-            c.waiting_on_adapter = sum(1 for r in waiting if r.id not in settled)
+            left = Counter(r.adapter for r in waiting if r.id not in settled and r.adapter is not None)
+            c.waiting_on_adapter, self._waiting = sum(left.values()), left
             c.device_copies = sum(p.copies for p in self.pools.values())
         return out
 
@@ -317,7 +334,9 @@ class LoraManager:
             new = [s.hold(v.key, keep, v.nbytes[n]) for n, s in self.stores.items()]
             self._counters.evictions += before + new[0] - len(store)
             entry = self._entries.get(v.key)
-            if entry is not None and entry.reading is None and entry.error is None and not self._in(v):
+            if entry is None:
+                entry = self._entries[v.key] = Entry(v)
+            if entry.reading is None and entry.error is None and not self._in(v):
                 entry.reading = self._workers.submit(self._read, entry, entry.registered)
 
     def _read(self, entry: Entry, registered: int) -> None:
@@ -417,7 +436,9 @@ class LoraManager:
             for key in filter(stale, self.pools[n].resident()):
                 self.pools[n].deactivate(key)
         with self._lock:
-            for key in [k for k, e in self._entries.items() if stale(k) and e.reading is None]:
+            held = set(store.held())  # every node's store holds the same names
+            for key in [k for k, e in self._entries.items()
+                        if e.reading is None and (stale(k) or (e.error is None and k not in held))]:
                 del self._entries[key]
 
     def _count_first_waits(self, waiting: Sequence[Request], wanted: dict[Hashable, Version]) -> None:
@@ -430,6 +451,18 @@ class LoraManager:
                     self._counters.host_hits += 1
                 else:
                     self._counters.host_misses += 1
+
+    def adapters(self, after: str | None = None, limit: int = 100) -> Page:
+        """What the manager serves, one page at a time in name order (listing.py): each name's current
+        version, digest, where it is (slot, host, reading, failed and why, registered) and its source.
+        Start with after=None, then pass each page's next until it is None."""
+        return listing.page(self, after, limit)
+
+    @property
+    def waiting(self) -> dict[str, int]:
+        """The requests the last step left waiting on their adapter, by adapter name."""
+        with self._lock:
+            return dict(self._waiting)
 
     @property
     def counters(self) -> Counters:
