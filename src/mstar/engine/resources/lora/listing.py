@@ -3,7 +3,6 @@ is, and where it came from. Derived from the manager's state as it is when a pag
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,6 +57,6 @@ def page(m: LoraManager, after: str | None = None, limit: int = 100) -> Page:
             where = HOST
         else:
             where = READING if reading else REGISTERED
-        source = os.fspath(v.path) if v.path is not None else str(WHERE)
+        source = str(v.path) if v.path is not None else str(WHERE)  # a path, or a Remote as its URL
         out.append(AdapterInfo(v.name, v.key, v.digest.hex(), where, source, None if error is None else str(error)))
     return Page(out, out[-1].name if more and out else None)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -25,15 +25,19 @@ import torch
 import torch.distributed as dist
 
 from . import listing
-from .calls import STEP, SYNC, Calls
+from .calls import STEP, Calls
+from .disk_tier import DiskTier
 from .listing import Page
 from .models import specs_from_config
+from .objects import Remote
 from .pool import LoraDevicePool
 from .ranks import FAILED, MISSING, READY, gather_reasons
 from .ranks import agree as agree_states
+from .registrations import Registrations
 from .registry import Registry, Version
+from .resolution import Resolution
 from .store import LoraAdapterStore
-from .versions import Checked, check_path, check_pushed
+from .versions import check_path, named
 
 
 class Request(NamedTuple):
@@ -89,7 +93,7 @@ class Entry:
     registered: int = 0  # how many times it was registered: a read started before the last tells nothing
 
 
-class LoraManager:
+class LoraManager(Registrations):
     """The engine's side of the pool: registration, per-step admission, background reads, agreement.
 
     Every rank steps alike (the engine's scheduler decides once); registrations may come from any
@@ -101,7 +105,9 @@ class LoraManager:
     """
 
     def __init__(self, stores: Mapping[str, LoraAdapterStore], pools: Mapping[str, LoraDevicePool], *,
-                 group: dist.ProcessGroup | None = None, read_workers: int = 4, agree_within: float = 30.0) -> None:
+                 group: dist.ProcessGroup | None = None, read_workers: int = 4, agree_within: float = 30.0,
+                 resolver: Callable[[str], Any] | None = None, unknown_for: float = 30.0,
+                 disk_tier: DiskTier | None = None) -> None:
         if set(stores) != set(pools) or not stores:
             raise ValueError(f"one store and one pool per node, not stores {sorted(stores)} and pools {sorted(pools)}")
         if len({p.slots for p in pools.values()}) != 1:
@@ -120,6 +126,10 @@ class LoraManager:
         self._counters = Counters()
         self._waiting: Counter[str] = Counter()  # by adapter, the requests the last step left waiting
         self._calls = Calls(group, agree_within)
+        self._disk_tier = disk_tier
+        self._resolution = None if resolver is None else Resolution(
+            resolver, lambda name, source: check_path(self.stores, name, source, disk=self.disk_tier), self._calls,
+            unknown_for)
         self._engine = threading.get_ident()  # the thread that steps (before any step, the one that built it)
         device = next(iter(pools.values())).device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -138,94 +148,6 @@ class LoraManager:
         pools = {n: LoraDevicePool(s, slots, device, rank, world_size) for n, s in specs.items()}
         return cls(stores, pools, group=group, read_workers=read_workers)
 
-    # --- registration: from any thread, applied at a step every rank reaches -------------------
-
-    def register(self, name: str, path: str | os.PathLike[str]) -> Version:
-        """name checked at path (or Hub id org/repo[@revision], pinned to its commit here) against every
-        node's spec and made current: requests admitted from now on get these weights under their
-        digest; running ones keep theirs. Registering a name again with other weights is a reload;
-        registering a failed name again retries it. The check runs on the calling thread; the call is
-        applied as calls() says. With a process group, a rank that cannot check it makes it refused on
-        every rank."""
-        return self._call("register", (name,), {name: check_path(self.stores, name, path)})[name]
-
-    def push(self, name: str, tensors: Mapping[str, torch.Tensor], config: Any = None, *,
-             copy: bool = False) -> Version:
-        """register for weights in memory (a trainer's new LoRA weights, say): checked, digested as the
-        same weights saved as a file would be, and served as a new version of name, never half-visible.
-        The tensors are read, never written; the manager keeps them to read again after an eviction,
-        and refuses them if they change meanwhile (push again instead). copy=True keeps a copy of them
-        as they are at the push instead (one memcpy of their bytes, and that memory held while the
-        version is served): for tensors that go on changing, a live model's parameters under an
-        optimizer, say."""
-        if copy and isinstance(tensors, Mapping):
-            tensors = {k: t.detach().clone() if isinstance(t, torch.Tensor) else t for k, t in tensors.items()}
-        return self._call("register", (name,), {name: check_pushed(self.stores, name, tensors, config)})[name]
-
-    def register_all(self, adapters: Mapping[str, str | os.PathLike[str] | Version]) -> dict[str, Version]:
-        """The serving config at startup: every adapter checked (on every core), raising naming every
-        one that cannot be served, on any rank, before any is registered. A Hub id is resolved once, and
-        the commit it names is the one checked and read. A value that is a Version (from check_all) is
-        registered as checked, not hashed again."""
-        return self._call("register", tuple(adapters), self.check_all(adapters))
-
-    def check_all(self, adapters: Mapping[str, str | os.PathLike[str] | Version]) -> dict[str, Checked]:
-        """Each adapter checked (on every core), registering none: its Version, or why it cannot be served.
-        A deployment that serves the good ones passes those Versions to register_all, which then hashes no
-        file again. Each rank's own answer: register_all agrees them."""
-        def one(name: str, source: Any) -> Checked:
-            return source if isinstance(source, Version) else check_path(self.stores, name, source, hash_threads=1)
-
-        if all(isinstance(v, Version) for v in adapters.values()):
-            return dict(adapters)
-        with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="mstar-lora-check") as pool:
-            return dict(zip(adapters, pool.map(one, adapters, adapters.values()), strict=True))
-
-    def unregister(self, name: str) -> None:
-        """No new request gets name; its memory is freed once no running request uses it."""
-        self._call("unregister", (name,))
-
-    def _call(self, kind: str, names: tuple[str, ...], checked: Mapping[str, Checked] | None = None) -> Any:
-        """A call queued, then applied, and its outcome (a ValueError raised). Without a process group it is
-        applied at once, under the lock the step takes. With one, a call from the engine thread (the one that
-        steps, or built the manager before any step) is agreed at once, as every rank makes it at the same
-        point of its loop; a call from any other thread waits for the next step, which applies it on every
-        rank alike (a call made on some ranks only is refused, after agree_within seconds, never a hang)."""
-        call = self._calls.put(kind, names, checked)
-        if self.group is None or threading.get_ident() == self._engine:
-            try:
-                while not call.done.done():  # until every rank has made it, or it waited past agree_within
-                    self._apply(SYNC)
-            except ValueError:
-                self._calls.drop(call)  # refused here: never applied later by a round it was not agreed in
-                raise
-        return call.done.result()
-
-    def _apply(self, round_: int) -> None:
-        """The calls every rank applies now, applied, in the order every rank applies them, and their callers
-        told."""
-        for call, result in self._calls.agree(round_):
-            if isinstance(result, ValueError):
-                call.done.set_exception(result)
-                continue
-            with self._lock:
-                if call.kind == "unregister":
-                    for name in call.names:
-                        self.registry.unregister(name)
-                else:
-                    for v in result.values():
-                        self._register(v)
-            call.done.set_result(result)
-
-    def _register(self, version: Version) -> None:
-        entry = self._entries.get(version.key)
-        if entry is not None:  # the same weights again: a failed read is tried anew, with the version as given now
-            entry.version, entry.error = version, None
-            entry.registered += 1
-        # under the lock a step's collection takes: the entry is never collected as stale before its
-        # version is current (a reload registered from another thread than the step's was never read)
-        self.registry.register(version)
-
     # --- the step ------------------------------------------------------------------------
 
     def step(self, running: Sequence[Request], waiting: Sequence[Request]) -> Step:
@@ -240,6 +162,10 @@ class LoraManager:
             if r.adapter is None:
                 continue
             v = self.registry.resolve(r.adapter)
+            if isinstance(v, ValueError) and self._resolution is not None and r.adapter not in self.registry:
+                v = self._resolution.wanted(r.adapter)  # None: it waits while its name is resolved
+                if v is None:
+                    continue
             if isinstance(v, ValueError):
                 out.failed[r.id] = v
             else:
@@ -346,12 +272,16 @@ class LoraManager:
         v, start = entry.version, time.perf_counter()
         copies: dict[str, Any] | None = {}
         try:
-            for n, s in self.stores.items():
-                copies[n] = s.read(v.name, v.path, v.digest) if v.tensors is None else \
-                    s.read_tensors(v.name, v.tensors, v.config, v.digest)
+            with ExitStack() as stack:
+                path = stack.enter_context(self.disk_tier().local(v.path)) if isinstance(v.path, Remote) else v.path
+                for n, s in self.stores.items():
+                    copies[n] = s.read(v.name, path, v.digest) if v.tensors is None else \
+                        s.read_tensors(v.name, v.tensors, v.config, v.digest)
         except Exception as e:  # a read's refusal is a ValueError naming adapter and file; anything else is wrapped
             error = ValueError(*e.args) if isinstance(e, ValueError) else ValueError(
                 f"adapter {v.name!r} ({v.path}): {e!r}")
+            error = _recoverable(named(error, v.name, v.path, self.disk_tier()) if isinstance(v.path, Remote)
+                                 else error, v)
             copies = None  # neither the copies read so far nor the failed read's frames stay alive
         else:
             error = None
@@ -389,7 +319,12 @@ class LoraManager:
                 for s in self.stores.values():
                     s.drop(v.key)
                 with self._lock:  # a reload registered meanwhile from another thread is not failed with it
-                    self.registry.fail(v, errors[v.key])
+                    if self._resolution is not None and v.name in self._resolution.resolved \
+                            and self.registry.is_current(v.key):
+                        self.registry.unregister(v.name)  # resolved anew by the next request that names it
+                        self._resolution.resolved.discard(v.name)
+                    else:
+                        self.registry.fail(v, errors[v.key])
                     entry = self._entries.get(v.key)
                     if entry is not None:
                         entry.error = None  # told: the name is refused now, until it is registered again
@@ -485,4 +420,15 @@ class LoraManager:
         with destroy_process_group rather than whenever the manager is collected (a gloo group destroyed
         at interpreter exit can abort the process)."""
         self._workers.shutdown(wait=True)
+        if self._resolution is not None:
+            self._resolution.close()
         self.group = self._calls.group = None
+
+
+def _recoverable(error: ValueError, v: Version) -> ValueError:
+    """error, saying how to recover where pushed tensors changed since their push."""
+    text = str(error)
+    if v.tensors is not None and "changed since they were pushed" in text:
+        return ValueError(f"{text}. Push them again to serve what they hold now, or push with copy=True to "
+                          "serve what they held at the push (a copy of their bytes, kept while it is served)")
+    return error
