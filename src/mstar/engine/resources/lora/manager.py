@@ -138,15 +138,16 @@ class LoraManager(Registrations):
     def build(cls, config: Any, *, max_rank: int, host_capacity: int, slots: int, device: str | torch.device = "cpu",
               rank: int = 0, world_size: int = 1, group: dist.ProcessGroup | None = None,
               dtype: torch.dtype = torch.bfloat16, pin: bool | None = None, read_workers: int = 4,
-              host_bytes: int | None = None, max_expert_rank: int | None = None) -> LoraManager:
+              host_bytes: int | None = None, max_expert_rank: int | None = None, **options: Any) -> LoraManager:
         """A manager with a store and a pool for every node of the model config describes; host_bytes,
         if given, is each store's byte budget beside its count; max_expert_rank a mixture of experts'
-        experts node's max_rank (default max_rank)."""
+        experts node's max_rank (default max_rank); options the constructor's (resolver, disk_tier,
+        unknown_for, agree_within)."""
         specs = specs_from_config(config, max_rank=max_rank, capacity=host_capacity, dtype=dtype,
                                   max_expert_rank=max_expert_rank)
         stores = {n: LoraAdapterStore(s, rank, world_size, pin=pin, max_bytes=host_bytes) for n, s in specs.items()}
         pools = {n: LoraDevicePool(s, slots, device, rank, world_size) for n, s in specs.items()}
-        return cls(stores, pools, group=group, read_workers=read_workers)
+        return cls(stores, pools, group=group, read_workers=read_workers, **options)
 
     # --- the step ------------------------------------------------------------------------
 
@@ -405,15 +406,23 @@ class LoraManager(Registrations):
         with self._lock:
             return dataclasses.replace(self._counters)
 
-    def wait_for_reads(self) -> None:
-        """Block until every read under way has landed or failed: for tests, benchmarks and shutdown,
-        never for a step."""
+    def wait_for_reads(self, timeout: float | None = None) -> bool:
+        """Block until every read and resolution under way has landed or failed, or timeout seconds have
+        passed: whether they all did. An engine with nothing to run calls it (with a timeout, so that new
+        requests are heard of) instead of stepping in a spin; tests, benchmarks and shutdown without one.
+        Never within a step."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
                 pending = [e.reading for e in self._entries.values() if e.reading is not None]
+            if self._resolution is not None:
+                pending += self._resolution.pending()
             if not pending:
-                return
-            wait(pending)
+                return True
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            wait(pending, timeout=left)
 
     def close(self) -> None:
         """Wait for reads under way, stop the workers, and let go of the process group, so that it goes

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .calls import Calls
@@ -32,6 +32,7 @@ class Resolution:
         self.where = where(resolver)
         self._lock = threading.Lock()
         self._resolving: set[str] = set()
+        self._futures: set[Future] = set()
         self._unknown: dict[str, tuple[ValueError, float]] = {}  # name -> (why, when this rank lets it go)
         self._expiring: deque[str] = deque()  # unknown names, in the order their time runs out
         self.resolved: set[str] = set()  # names registered by a resolution, not by a call
@@ -46,8 +47,14 @@ class Resolution:
             if name in self._resolving:
                 return None
             self._resolving.add(name)
-        self._workers.submit(self._resolve, name)
+        future = self._workers.submit(self._resolve, name)
+        self._futures.add(future)
+        future.add_done_callback(self._futures.discard)
         return None
+
+    def pending(self) -> list[Future]:
+        """The resolutions under way (each ends by queueing its call, which the next step applies)."""
+        return list(self._futures)
 
     def _resolve(self, name: str) -> None:
         try:
