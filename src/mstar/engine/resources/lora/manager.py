@@ -211,8 +211,13 @@ class LoraManager(Registrations):
 
     def prefetch(self, waiting: Sequence[Request]) -> None:
         """Hold the queue's adapters and start their reads as step would, admitting nothing: for an engine
-        that hears of requests while the forward runs. Every rank calls it alike, as it calls step."""
+        that hears of requests while the forward runs; names not registered start resolving. Every rank
+        calls it alike, as it calls step."""
         batch = list(dict.fromkeys(self._pinned.values()))
+        if self._resolution is not None:  # names no one registered: their resolution started now, not next step
+            for r in waiting:
+                if r.adapter is not None and r.adapter not in self.registry:
+                    self._resolution.wanted(r.adapter)
         queue = [v for r in waiting if r.adapter is not None
                  for v in [self.registry.resolve(r.adapter)] if not isinstance(v, ValueError)]
         self._hold(batch, list(dict.fromkeys(queue)))
