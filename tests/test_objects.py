@@ -239,3 +239,34 @@ def test_two_ranks_admit_each_resolved_adapter_at_the_same_step(server, tmp_path
     a, b = torch.load(out)
     assert a == b, "both ranks admitted and failed the same requests at the same steps"
     assert sorted(r for _, adm, _ in a for r in adm) == [0, 1] and [r for _, _, f in a for r in f] == [2]
+
+
+def test_the_disk_tier_downloads_once_for_concurrent_fetches_and_drops_the_least_recent_past_its_budget(
+        server, adapters, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mstar.engine.resources.lora import objects
+
+    for n in ("t1", "t2", "t3"):
+        s3server.upload(adapters["sql"], f"tenants/{n}")
+    remotes = [objects.pin(f"{PREFIX}{n}/") for n in ("t1", "t2", "t3")]
+    tier = DiskTier(tmp_path / "disk", max_bytes=2 * remotes[0].nbytes)  # room for two
+    server.mode, server.match, server.seconds = "slow", "t1/adapter_model", 0.3  # the fetches overlap
+
+    def fetch(_):
+        with tier.local(remotes[0]) as folder:
+            return (folder / "adapter_model.safetensors").read_bytes()
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(fetch, range(4)))
+    finally:
+        server.mode = None
+    whole = (adapters["sql"] / "adapter_model.safetensors").read_bytes()
+    assert tier.downloads == len(remotes[0].objects) and all(g == whole for g in got), \
+        "four concurrent fetches, one download of each file, each read whole"
+    for r in remotes[1:]:
+        with tier.local(r):
+            pass
+    assert remotes[0] not in tier and remotes[1] in tier and remotes[2] in tier, "the least recent went"
+    assert tier.nbytes <= tier.max_bytes
