@@ -127,3 +127,26 @@ def test_an_idle_manager_exports_every_metric_at_zero():
         assert value(got[f"mstar_lora_{name}"], f"mstar_lora_{name}_total") == 0
     assert value(got["mstar_lora_read_seconds"], "mstar_lora_read_seconds_count") == 0
     assert value(got["mstar_lora_host_bytes"], "mstar_lora_host_bytes") == 0
+
+
+def test_a_router_sees_names_not_read_each_tier_s_room_and_requests_waiting_per_adapter(adapters):
+    m = one_node(capacity=2, slots=1, max_bytes=10**9)
+    for n in "abc":
+        m.register(n, adapters[n])
+    settle(m, [], [Request(1, "a")])
+    settle(m, [Request(1, "a")], [Request(2, "b"), Request(3, "b"), Request(4, "c")])
+    s = scrape(m)
+    pool, store = m.pools["language_model"], m.stores["language_model"]
+    per_slot = sum(t.nbytes for t in pool.slabs.values())
+    assert value(s["mstar_lora_registered"], "mstar_lora_registered") == 3
+    assert value(s["mstar_lora_registered_unread"], "mstar_lora_registered_unread") == 1, "c waits for room"
+    assert value(s["mstar_lora_slots"], "mstar_lora_slots", unit="count", state="capacity") == 1
+    assert value(s["mstar_lora_slots"], "mstar_lora_slots", unit="count", state="used") == 1
+    assert value(s["mstar_lora_slots"], "mstar_lora_slots", unit="bytes", state="capacity") == per_slot
+    assert value(s["mstar_lora_host_tier"], "mstar_lora_host_tier", unit="count", state="capacity") == 2
+    assert value(s["mstar_lora_host_tier"], "mstar_lora_host_tier", unit="count", state="used") == 2
+    assert value(s["mstar_lora_host_tier"], "mstar_lora_host_tier", unit="bytes", state="capacity") == 10**9
+    assert value(s["mstar_lora_host_tier"], "mstar_lora_host_tier", unit="bytes", state="used") == store.nbytes
+    by = s["mstar_lora_waiting_requests_by_adapter"]
+    assert {x.labels["adapter"]: x.value for x in by} == {"b": 2, "c": 1}, "b has no slot beside a; c no room"
+    m.close()

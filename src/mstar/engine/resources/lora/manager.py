@@ -12,81 +12,35 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import os
 import threading
 import time
-from collections.abc import Hashable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import ExitStack
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .calls import STEP, SYNC, Calls
+from . import listing
+from .calls import STEP, Calls
+from .disk_tier import DiskTier
+from .listing import Page
 from .models import specs_from_config
+from .objects import Remote
 from .pool import LoraDevicePool
+from .protocol import READ_SECONDS_BUCKETS, Counters, Entry, Request, Step
 from .ranks import FAILED, MISSING, READY, gather_reasons
 from .ranks import agree as agree_states
+from .registrations import Registrations
 from .registry import Registry, Version
+from .resolution import Resolution
 from .store import LoraAdapterStore
-from .versions import Checked, check_path, check_pushed
+from .versions import check_path, named
 
 
-class Request(NamedTuple):
-    """A request as the manager sees it: the engine's id for it, and its adapter's name (None: the base model)."""
-
-    id: Hashable
-    adapter: str | None
-
-
-@dataclass
-class Step:
-    """What one step decided. admitted: the waiting requests that can start now, in queue order, their
-    adapters already in a device slot (on CUDA once ready has been waited on). failed: the waiting
-    requests whose adapter cannot be served, with why. slot and digest: every running and admitted
-    request's slot (-1 for the base model) and its adapter's digest, the root of its prefix-cache keys."""
-
-    admitted: list[Hashable] = field(default_factory=list)
-    failed: dict[Hashable, ValueError] = field(default_factory=dict)
-    slot: dict[Hashable, int] = field(default_factory=dict)
-    digest: dict[Hashable, bytes | None] = field(default_factory=dict)
-    ready: torch.cuda.Event | None = None
-
-
-# Upper bounds of the read-latency buckets, in seconds (a warm 84 MB read takes ~6 ms here, a cold disk far more).
-READ_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-@dataclass
-class Counters:
-    """What the manager has done since it started; waiting is the last step's."""
-
-    host_hits: int = 0  # requests whose adapter was in host memory when they first waited
-    host_misses: int = 0
-    reads: int = 0
-    bytes_read: int = 0  # host bytes filled by reads, every node
-    read_seconds: float = 0.0
-    read_buckets: tuple[int, ...] = (0,) * (len(READ_SECONDS_BUCKETS) + 1)  # reads per bucket, the last past 10 s
-    read_failures: int = 0
-    evictions: int = 0  # adapters the host tier dropped for room
-    device_copies: int = 0
-    failed_requests: int = 0
-    waiting_on_adapter: int = 0
-
-
-@dataclass(eq=False)
-class Entry:
-    """One version the manager keeps: the read under way, if any, and why its last read failed, if it did.
-    Whether it is in follows from the stores; who runs it, from the requests pinned to it."""
-
-    version: Version
-    reading: Future[None] | None = None
-    error: ValueError | None = None
-    registered: int = 0  # how many times it was registered: a read started before the last tells nothing
-
-
-class LoraManager:
+class LoraManager(Registrations):
     """The engine's side of the pool: registration, per-step admission, background reads, agreement.
 
     Every rank steps alike (the engine's scheduler decides once); registrations may come from any
@@ -98,7 +52,9 @@ class LoraManager:
     """
 
     def __init__(self, stores: Mapping[str, LoraAdapterStore], pools: Mapping[str, LoraDevicePool], *,
-                 group: dist.ProcessGroup | None = None, read_workers: int = 4, agree_within: float = 30.0) -> None:
+                 group: dist.ProcessGroup | None = None, read_workers: int = 4, agree_within: float = 30.0,
+                 resolver: Callable[[str], Any] | None = None, unknown_for: float = 30.0,
+                 disk_tier: DiskTier | None = None) -> None:
         if set(stores) != set(pools) or not stores:
             raise ValueError(f"one store and one pool per node, not stores {sorted(stores)} and pools {sorted(pools)}")
         if len({p.slots for p in pools.values()}) != 1:
@@ -107,13 +63,20 @@ class LoraManager:
         self.registry = Registry()
         self.slots = next(iter(pools.values())).slots
         self.capacity = min(s.spec.capacity for s in stores.values())
-        self._entries: dict[str, Entry] = {}  # by version key: every version registered and not yet collected
+        # by version key: the versions held, being read, or failed, made at their first hold (a registered name
+        # costs its Version alone until a request uses it) and dropped once their copy is gone
+        self._entries: dict[str, Entry] = {}
         self._pinned: dict[Hashable, Version] = {}  # running request -> the version it was admitted with
         self._seen: set[Hashable] = set()
         self._lock = threading.Lock()  # entries' reads and errors, the stores' puts beside the step's holds
         self._workers = ThreadPoolExecutor(read_workers, thread_name_prefix="mstar-lora-manager")
         self._counters = Counters()
+        self._waiting: Counter[str] = Counter()  # by adapter, the requests the last step left waiting
         self._calls = Calls(group, agree_within)
+        self._disk_tier = disk_tier
+        self._resolution = None if resolver is None else Resolution(
+            resolver, lambda name, source: check_path(self.stores, name, source, disk=self.disk_tier), self._calls,
+            unknown_for)
         self._engine = threading.get_ident()  # the thread that steps (before any step, the one that built it)
         device = next(iter(pools.values())).device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -122,93 +85,16 @@ class LoraManager:
     def build(cls, config: Any, *, max_rank: int, host_capacity: int, slots: int, device: str | torch.device = "cpu",
               rank: int = 0, world_size: int = 1, group: dist.ProcessGroup | None = None,
               dtype: torch.dtype = torch.bfloat16, pin: bool | None = None, read_workers: int = 4,
-              host_bytes: int | None = None, max_expert_rank: int | None = None) -> LoraManager:
+              host_bytes: int | None = None, max_expert_rank: int | None = None, **options: Any) -> LoraManager:
         """A manager with a store and a pool for every node of the model config describes; host_bytes,
         if given, is each store's byte budget beside its count; max_expert_rank a mixture of experts'
-        experts node's max_rank (default max_rank)."""
+        experts node's max_rank (default max_rank); options the constructor's (resolver, disk_tier,
+        unknown_for, agree_within)."""
         specs = specs_from_config(config, max_rank=max_rank, capacity=host_capacity, dtype=dtype,
                                   max_expert_rank=max_expert_rank)
         stores = {n: LoraAdapterStore(s, rank, world_size, pin=pin, max_bytes=host_bytes) for n, s in specs.items()}
         pools = {n: LoraDevicePool(s, slots, device, rank, world_size) for n, s in specs.items()}
-        return cls(stores, pools, group=group, read_workers=read_workers)
-
-    # --- registration: from any thread, applied at a step every rank reaches -------------------
-
-    def register(self, name: str, path: str | os.PathLike[str]) -> Version:
-        """name checked at path (or Hub id org/repo[@revision], pinned to its commit here) against every
-        node's spec and made current: requests admitted from now on get these weights under their
-        digest; running ones keep theirs. Registering a name again with other weights is a reload;
-        registering a failed name again retries it. The check runs on the calling thread; the call is
-        applied as calls() says. With a process group, a rank that cannot check it makes it refused on
-        every rank."""
-        return self._call("register", (name,), {name: check_path(self.stores, name, path)})[name]
-
-    def push(self, name: str, tensors: Mapping[str, torch.Tensor], config: Any = None, *,
-             copy: bool = False) -> Version:
-        """register for weights in memory (a trainer's new LoRA weights, say): checked, digested as the
-        same weights saved as a file would be, and served as a new version of name, never half-visible.
-        The tensors are read, never written; the manager keeps them to read again after an eviction,
-        and refuses them if they change meanwhile (push again instead). copy=True keeps a copy of them
-        as they are at the push instead (one memcpy of their bytes, and that memory held while the
-        version is served): for tensors that go on changing, a live model's parameters under an
-        optimizer, say."""
-        if copy and isinstance(tensors, Mapping):
-            tensors = {k: t.detach().clone() if isinstance(t, torch.Tensor) else t for k, t in tensors.items()}
-        return self._call("register", (name,), {name: check_pushed(self.stores, name, tensors, config)})[name]
-
-    def register_all(self, adapters: Mapping[str, str | os.PathLike[str]]) -> dict[str, Version]:
-        """The serving config at startup: every adapter checked (on every core), raising naming every
-        one that cannot be served, on any rank, before any is registered. A Hub id is resolved once, and
-        the commit it names is the one checked and read."""
-        with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="mstar-lora-check") as pool:
-            checked = pool.map(lambda kv: check_path(self.stores, *kv, hash_threads=1), adapters.items())
-            return self._call("register", tuple(adapters), dict(zip(adapters, checked, strict=True)))
-
-    def unregister(self, name: str) -> None:
-        """No new request gets name; its memory is freed once no running request uses it."""
-        self._call("unregister", (name,))
-
-    def _call(self, kind: str, names: tuple[str, ...], checked: Mapping[str, Checked] | None = None) -> Any:
-        """A call queued, then applied, and its outcome (a ValueError raised). Without a process group it is
-        applied at once, under the lock the step takes. With one, a call from the engine thread (the one that
-        steps, or built the manager before any step) is agreed at once, as every rank makes it at the same
-        point of its loop; a call from any other thread waits for the next step, which applies it on every
-        rank alike (a call made on some ranks only is refused, after agree_within seconds, never a hang)."""
-        call = self._calls.put(kind, names, checked)
-        if self.group is None or threading.get_ident() == self._engine:
-            try:
-                self._apply(SYNC)
-            except ValueError:
-                self._calls.drop(call)  # refused here: never applied later by a round it was not agreed in
-                raise
-        return call.done.result()
-
-    def _apply(self, round_: int) -> None:
-        """The calls every rank applies now, applied, in the order every rank applies them, and their callers
-        told."""
-        for call, result in self._calls.agree(round_):
-            if isinstance(result, ValueError):
-                call.done.set_exception(result)
-                continue
-            with self._lock:
-                if call.kind == "unregister":
-                    for name in call.names:
-                        self.registry.unregister(name)
-                else:
-                    for v in result.values():
-                        self._register(v)
-            call.done.set_result(result)
-
-    def _register(self, version: Version) -> None:
-        entry = self._entries.get(version.key)
-        if entry is None:
-            self._entries[version.key] = Entry(version)
-        else:  # the same weights again: a failed read is tried anew, with the version as given now
-            entry.version, entry.error = version, None
-            entry.registered += 1
-        # under the lock a step's collection takes: the entry is never collected as stale before its
-        # version is current (a reload registered from another thread than the step's was never read)
-        self.registry.register(version)
+        return cls(stores, pools, group=group, read_workers=read_workers, **options)
 
     # --- the step ------------------------------------------------------------------------
 
@@ -224,6 +110,10 @@ class LoraManager:
             if r.adapter is None:
                 continue
             v = self.registry.resolve(r.adapter)
+            if isinstance(v, ValueError) and self._resolution is not None and r.adapter not in self.registry:
+                v = self._resolution.wanted(r.adapter)  # None: it waits while its name is resolved
+                if v is None:
+                    continue
             if isinstance(v, ValueError):
                 out.failed[r.id] = v
             else:
@@ -261,14 +151,20 @@ class LoraManager:
         with self._lock:
             c = self._counters
             c.failed_requests += len(out.failed)
-            c.waiting_on_adapter = sum(1 for r in waiting if r.id not in settled)
+            left = Counter(r.adapter for r in waiting if r.id not in settled and r.adapter is not None)
+            c.waiting_on_adapter, self._waiting = sum(left.values()), left
             c.device_copies = sum(p.copies for p in self.pools.values())
         return out
 
     def prefetch(self, waiting: Sequence[Request]) -> None:
         """Hold the queue's adapters and start their reads as step would, admitting nothing: for an engine
-        that hears of requests while the forward runs. Every rank calls it alike, as it calls step."""
+        that hears of requests while the forward runs; names not registered start resolving. Every rank
+        calls it alike, as it calls step."""
         batch = list(dict.fromkeys(self._pinned.values()))
+        if self._resolution is not None:  # names no one registered: their resolution started now, not next step
+            for r in waiting:
+                if r.adapter is not None and r.adapter not in self.registry:
+                    self._resolution.wanted(r.adapter)
         queue = [v for r in waiting if r.adapter is not None
                  for v in [self.registry.resolve(r.adapter)] if not isinstance(v, ValueError)]
         self._hold(batch, list(dict.fromkeys(queue)))
@@ -317,7 +213,9 @@ class LoraManager:
             new = [s.hold(v.key, keep, v.nbytes[n]) for n, s in self.stores.items()]
             self._counters.evictions += before + new[0] - len(store)
             entry = self._entries.get(v.key)
-            if entry is not None and entry.reading is None and entry.error is None and not self._in(v):
+            if entry is None:
+                entry = self._entries[v.key] = Entry(v)
+            if entry.reading is None and entry.error is None and not self._in(v):
                 entry.reading = self._workers.submit(self._read, entry, entry.registered)
 
     def _read(self, entry: Entry, registered: int) -> None:
@@ -327,12 +225,16 @@ class LoraManager:
         v, start = entry.version, time.perf_counter()
         copies: dict[str, Any] | None = {}
         try:
-            for n, s in self.stores.items():
-                copies[n] = s.read(v.name, v.path, v.digest) if v.tensors is None else \
-                    s.read_tensors(v.name, v.tensors, v.config, v.digest)
+            with ExitStack() as stack:
+                path = stack.enter_context(self.disk_tier().local(v.path)) if isinstance(v.path, Remote) else v.path
+                for n, s in self.stores.items():
+                    copies[n] = s.read(v.name, path, v.digest) if v.tensors is None else \
+                        s.read_tensors(v.name, v.tensors, v.config, v.digest)
         except Exception as e:  # a read's refusal is a ValueError naming adapter and file; anything else is wrapped
             error = ValueError(*e.args) if isinstance(e, ValueError) else ValueError(
                 f"adapter {v.name!r} ({v.path}): {e!r}")
+            error = _recoverable(named(error, v.name, v.path, self.disk_tier()) if isinstance(v.path, Remote)
+                                 else error, v)
             copies = None  # neither the copies read so far nor the failed read's frames stay alive
         else:
             error = None
@@ -370,7 +272,12 @@ class LoraManager:
                 for s in self.stores.values():
                     s.drop(v.key)
                 with self._lock:  # a reload registered meanwhile from another thread is not failed with it
-                    self.registry.fail(v, errors[v.key])
+                    if self._resolution is not None and v.name in self._resolution.resolved \
+                            and self.registry.is_current(v.key):
+                        self.registry.unregister(v.name)  # resolved anew by the next request that names it
+                        self._resolution.resolved.discard(v.name)
+                    else:
+                        self.registry.fail(v, errors[v.key])
                     entry = self._entries.get(v.key)
                     if entry is not None:
                         entry.error = None  # told: the name is refused now, until it is registered again
@@ -417,7 +324,9 @@ class LoraManager:
             for key in filter(stale, self.pools[n].resident()):
                 self.pools[n].deactivate(key)
         with self._lock:
-            for key in [k for k, e in self._entries.items() if stale(k) and e.reading is None]:
+            held = set(store.held())  # every node's store holds the same names
+            for key in [k for k, e in self._entries.items()
+                        if e.reading is None and (stale(k) or (e.error is None and k not in held))]:
                 del self._entries[key]
 
     def _count_first_waits(self, waiting: Sequence[Request], wanted: dict[Hashable, Version]) -> None:
@@ -431,25 +340,56 @@ class LoraManager:
                 else:
                     self._counters.host_misses += 1
 
+    def adapters(self, after: str | None = None, limit: int = 100) -> Page:
+        """What the manager serves, one page at a time in name order (listing.py): each name's current
+        version, digest, where it is (slot, host, reading, failed and why, registered) and its source.
+        Start with after=None, then pass each page's next until it is None."""
+        return listing.page(self, after, limit)
+
+    @property
+    def waiting(self) -> dict[str, int]:
+        """The requests the last step left waiting on their adapter, by adapter name."""
+        with self._lock:
+            return dict(self._waiting)
+
     @property
     def counters(self) -> Counters:
         """A snapshot of what the manager has done so far."""
         with self._lock:
             return dataclasses.replace(self._counters)
 
-    def wait_for_reads(self) -> None:
-        """Block until every read under way has landed or failed: for tests, benchmarks and shutdown,
-        never for a step."""
+    def wait_for_reads(self, timeout: float | None = None) -> bool:
+        """Block until every read and resolution under way has landed or failed, or timeout seconds have
+        passed: whether they all did. An engine with nothing to run calls it (with a timeout, so that new
+        requests are heard of) instead of stepping in a spin; tests, benchmarks and shutdown without one.
+        Never within a step."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
                 pending = [e.reading for e in self._entries.values() if e.reading is not None]
+            if self._resolution is not None:
+                pending += self._resolution.pending()
             if not pending:
-                return
-            wait(pending)
+                return True
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            wait(pending, timeout=left)
 
     def close(self) -> None:
         """Wait for reads under way, stop the workers, and let go of the process group, so that it goes
         with destroy_process_group rather than whenever the manager is collected (a gloo group destroyed
         at interpreter exit can abort the process)."""
         self._workers.shutdown(wait=True)
+        if self._resolution is not None:
+            self._resolution.close()
         self.group = self._calls.group = None
+
+
+def _recoverable(error: ValueError, v: Version) -> ValueError:
+    """error, saying how to recover where pushed tensors changed since their push."""
+    text = str(error)
+    if v.tensors is not None and "changed since they were pushed" in text:
+        return ValueError(f"{text}. Push them again to serve what they hold now, or push with copy=True to "
+                          "serve what they held at the push (a copy of their bytes, kept while it is served)")
+    return error

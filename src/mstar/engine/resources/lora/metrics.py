@@ -61,6 +61,41 @@ class LoraCollector:
                                 value=c.waiting_on_adapter)
         yield GaugeMetricFamily("mstar_lora_host_bytes", "Host memory the adapters' copies hold, every node.",
                                 value=sum(s.nbytes for s in self.manager.stores.values()))
+        yield from self.capacity()
+        by_adapter = GaugeMetricFamily("mstar_lora_waiting_requests_by_adapter", "Requests the last step left "
+                                       "waiting on each adapter (only adapters with some).", labels=["adapter"])
+        for adapter, n in sorted(self.manager.waiting.items()):
+            by_adapter.add_metric([adapter], n)
+        yield by_adapter
+
+    def capacity(self) -> Iterator[Metric]:
+        """What a router sizes against: names registered and those not read yet, and each tier's room."""
+        m = self.manager
+        stores, pools = list(m.stores.values()), list(m.pools.values())
+        host = self.host_ranks()
+        current_in = sum(1 for k in host if m.registry.is_current(k))
+        yield GaugeMetricFamily("mstar_lora_registered", "Adapter names registered.", value=len(m.registry))
+        yield GaugeMetricFamily("mstar_lora_registered_unread", "Names registered whose current version is not "
+                                "in host memory (never read yet, or evicted): a request for one waits on a read.",
+                                value=len(m.registry) - current_in)
+        slots = GaugeMetricFamily("mstar_lora_slots", "Device slots: capacity and used, as a count of adapters "
+                                  "and in bytes (every node's slabs).", labels=["unit", "state"])
+        used = sum(1 for k in pools[0].resident() if k is not None)
+        per_slot = sum(sum(t.nbytes for t in p.slabs.values()) // p.slots for p in pools)
+        slots.add_metric(["count", "capacity"], m.slots)
+        slots.add_metric(["count", "used"], used)
+        slots.add_metric(["bytes", "capacity"], per_slot * m.slots)
+        slots.add_metric(["bytes", "used"], per_slot * used)
+        yield slots
+        tier = GaugeMetricFamily("mstar_lora_host_tier", "The host tier: capacity and used, as a count of adapter "
+                                 "versions and in bytes (every node; no bytes capacity where it has no byte "
+                                 "budget).", labels=["unit", "state"])
+        tier.add_metric(["count", "capacity"], m.capacity)
+        tier.add_metric(["count", "used"], len(host))
+        if all(s.max_bytes is not None for s in stores):
+            tier.add_metric(["bytes", "capacity"], sum(s.max_bytes for s in stores))
+        tier.add_metric(["bytes", "used"], sum(s.nbytes for s in stores))
+        yield tier
 
     def host_ranks(self) -> dict[str, int]:
         """Each version whose copy every node's store holds, with its rank (the largest over the nodes)."""

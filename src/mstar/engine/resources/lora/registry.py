@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Version:
     """One adapter's weights: its name, where they were checked (a path, pinned to a commit for a Hub
     id; or the tensors pushed, with their config), and their digest, which roots its requests'
-    prefix-cache keys. A reload is a new version of the same name."""
+    prefix-cache keys. A reload is a new version of the same name. key is the name the host and device
+    tiers hold this version under, apart from its other versions. Slotted: a deployment registers
+    100,000 of them, and a step looks at hundreds."""
 
     name: str
     path: str | os.PathLike[str] | None
@@ -21,11 +23,10 @@ class Version:
     tensors: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
     config: Any = field(default=None, compare=False, repr=False)
     nbytes: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)  # host bytes per node
+    key: str = field(init=False, compare=False, repr=False)
 
-    @cached_property
-    def key(self) -> str:
-        """The name the host and device tiers hold this version under, apart from its other versions."""
-        return f"{self.name}@{self.digest.hex()[:16]}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"{self.name}@{self.digest.hex()[:16]}")
 
     def __hash__(self) -> int:  # a step hashes thousands: the key is hashed once, as a str caches it
         return hash(self.key)
@@ -42,13 +43,18 @@ class Registry:
         self._current: dict[str, Version] = {}
         self._keys: set[str] = set()  # the current versions' keys
         self._failed: dict[str, ValueError] = {}
+        self._peak = 0  # the most names registered since the dicts were last made anew
+        self._sorted: list[str] | None = None  # the names in order, for listing; made anew after a change of names
 
     def register(self, version: Version) -> None:
         """Make version its name's current one (a reload where the name had another). The name has a
         version at every moment of it: a step resolving it from another thread meanwhile never finds it
         unregistered."""
         old = self._current.get(version.name)
+        if old is None:
+            self._sorted = None
         self._current[version.name] = version
+        self._peak = max(self._peak, len(self._current))
         self._keys.add(version.key)
         if old is not None and old.key != version.key:
             self._keys.discard(old.key)
@@ -58,7 +64,11 @@ class Registry:
         old = self._current.pop(name, None)
         if old is not None:
             self._keys.discard(old.key)
+            self._sorted = None
         self._failed.pop(name, None)
+        if len(self._current) * 4 < self._peak:  # a dict never shrinks as it empties: made anew, it gives its
+            self._current, self._keys = dict(self._current), set(self._keys)  # table back
+            self._failed, self._peak = dict(self._failed), len(self._current)
 
     def is_current(self, key: str) -> bool:
         """Whether key is some name's current version."""
@@ -66,16 +76,29 @@ class Registry:
 
     def resolve(self, name: str) -> Version | ValueError:
         """The version a new request for name gets, or why it cannot have one."""
-        if name in self._failed:
-            return self._failed[name]
-        if name not in self._current:
+        v = self._current.get(name)
+        if v is None:
             return ValueError(f"adapter {name!r} is not registered")
-        return self._current[name]
+        return self._failed.get(name, v) if self._failed else v
 
     def fail(self, version: Version, error: ValueError) -> None:
         """version could not be read: new requests for its name are refused with error, if it is current."""
         if self._current.get(version.name) == version:
             self._failed[version.name] = error
+
+    def page(self, after: str | None, limit: int) -> list[tuple[Version, ValueError | None]]:
+        """Up to limit names after after (None: from the first), in order, each with its current version and
+        why it failed, if it did. Sorting is paid once after the names change, not per page."""
+        names = self._sorted
+        if names is None:
+            names = self._sorted = sorted(self._current)
+        at = 0 if after is None else bisect.bisect_right(names, after)
+        out = []
+        for name in names[at : at + limit]:
+            v = self._current.get(name)
+            if v is not None:  # unregistered since the list was made
+                out.append((v, self._failed.get(name)))
+        return out
 
     def __contains__(self, name: object) -> bool:
         return name in self._current

@@ -8,17 +8,21 @@ instead of leaving the others waiting in the collective.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import hub
+from . import hub, objects
 from .check import check_checkpoint
 from .checkpoint import Checkpoint, open_checkpoint, refusal
+from .disk_tier import DiskTier, default_tier
 from .memory import WHERE, tensor_checkpoint
+from .objects import Remote
 from .plan import host_bytes
 from .ranks import same_everywhere
 from .registry import Version
@@ -27,21 +31,42 @@ from .store import LoraAdapterStore
 Checked = Version | str  # a version, or why the check refused it
 
 
-def check_path(stores: Mapping[str, LoraAdapterStore], name: str, path: str | os.PathLike[str],
-               hash_threads: int | None = None) -> Checked:
-    """name's version at path (a Hub id pinned to the commit it resolves to), checked and sized from one
-    open checkpoint, or why not."""
+def check_path(stores: Mapping[str, LoraAdapterStore], name: str, path: str | os.PathLike[str] | Remote,
+               hash_threads: int | None = None, disk: Callable[[], DiskTier] | None = None) -> Checked:
+    """name's version at path (a Hub id pinned to the commit it resolves to; an object-store URL pinned to
+    its objects' ETags and fetched into the disk tier disk() gives), checked and sized from one open
+    checkpoint, or why not."""
     def check() -> Version:
+        if objects.is_remote(path):
+            try:
+                remote = path if isinstance(path, Remote) else objects.pin(path)
+            except ValueError as e:
+                raise refusal(name, str(path), [str(e)]) from None
+            tier = (disk or default_tier)()
+            try:
+                with tier.local(remote) as local:
+                    return dataclasses.replace(checked(local), path=remote)
+            except ValueError as e:  # named by its URL, not by where the disk tier keeps it
+                raise named(e, name, remote, tier) from None
         try:
             resolved = hub.resolve(path)
         except ValueError as e:
             raise refusal(name, path, [str(e)]) from None
+        return checked(resolved)
+
+    def checked(resolved: os.PathLike[str]) -> Version:
         with open_checkpoint(resolved, name) as ckpt:
             kw = {} if hash_threads is None else {"hash_threads": hash_threads}
             digest = _check(stores, ckpt, **kw)
             return _fits(stores, Version(name, resolved, digest, nbytes=_sizes(stores, ckpt)))
 
     return _attempt(name, check)
+
+
+def named(e: ValueError, name: str, remote: Remote, tier: DiskTier) -> ValueError:
+    """e as a refusal naming the adapter and its URL, where the disk tier's folder for it would stand."""
+    text = re.sub(re.escape(str(tier.root)) + r"/[0-9a-f]{32}", remote.url.rstrip("/"), str(e))
+    return ValueError(text) if text.startswith(f"adapter {name!r}") else refusal(name, remote.url, [text])
 
 
 def check_pushed(stores: Mapping[str, LoraAdapterStore], name: str, tensors: Mapping[str, torch.Tensor],

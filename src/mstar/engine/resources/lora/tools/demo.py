@@ -25,6 +25,7 @@ import torch
 
 from ..manager import LoraManager
 from ..registry import Version
+from ..resolvers import FolderResolver
 from .demo_check import check_against_peft
 from .demo_models import MIXTURES, demo_config
 from .engine import Engine, Job, StepReport
@@ -47,6 +48,7 @@ SAMPLES = {
 TOO_BIG = ("too-big", 32)  # over max_rank: the startup check must refuse it by name
 RELOADED, RELOAD_AT = "support-bot", 6  # registered again with new weights before this step
 BROKEN, BREAK_AT = "french", 8  # its file truncated before this step, after its copy was evicted
+ON_DEMAND = "tiny-r2"  # not registered at startup: the folder resolver finds it when its first request comes
 
 # step: (adapter, prompt length, tokens wanted) of each request arriving then; None is the base model
 TRACE = {
@@ -83,7 +85,7 @@ def write_samples(spec, root: Path) -> dict[str, Path]:
 
 def startup(manager: LoraManager, paths: dict[str, Path]) -> dict[str, Version]:
     """The startup check over every sample (refusing too-big by name), then the good ones registered."""
-    served = {n: p for n, p in paths.items() if n in SAMPLES}
+    served = {n: p for n, p in paths.items() if n in SAMPLES and n != ON_DEMAND}
     try:
         manager.register_all({**served, TOO_BIG[0]: paths[TOO_BIG[0]]})
     except ValueError as e:
@@ -192,13 +194,16 @@ def base_factory(raw: dict, device: torch.device) -> Callable[[], torch.nn.Modul
 
 def demo(raw: dict, root: Path, device: torch.device) -> bool:
     manager = LoraManager.build(raw, max_rank=MAX_RANK, host_capacity=HOST_CAPACITY, slots=SLOTS, device=device,
-                                dtype=torch.float32)  # float32, so that tokens can be compared with PEFT's
+                                dtype=torch.float32,  # float32, so that tokens can be compared with PEFT's
+                                resolver=FolderResolver(root))  # names not registered: looked for under root
     try:
         spec = manager.stores["language_model"].spec
         paths = write_samples(spec, root)
         print(f"wrote {len(SAMPLES)} sample PEFT adapters, a second version of {RELOADED} and one over max_rank "
               f"{MAX_RANK}; a host tier of {HOST_CAPACITY} adapters and {SLOTS} device slots\n")
         versions = startup(manager, paths)
+        print(f"{ON_DEMAND} is not registered: a folder resolver over {root.name}/ finds, checks and reads it off "
+              "the step when its first request names it\n")
         folders = {v.digest: (n, paths[n]) for n, v in versions.items()}
         jobs = trace_jobs(raw["vocab_size"])
         per = {n: " ".join(j.id for j in jobs if j.adapter == n) for n in [*SAMPLES, None]}
@@ -213,6 +218,12 @@ def demo(raw: dict, root: Path, device: torch.device) -> bool:
         start = time.perf_counter()
         Engine(manager, model, slots, device, lambda r: print(step_line(r))).run(
             jobs, events(manager, paths, root, folders))
+        resolved = manager.registry.resolve(ON_DEMAND)
+        first = min((j for j in jobs if j.adapter == ON_DEMAND), key=lambda j: j.arrives)
+        if not isinstance(resolved, ValueError):
+            folders[resolved.digest] = (ON_DEMAND, paths[ON_DEMAND])
+            print(f"\n{ON_DEMAND} resolved on first use: its first request {first.id} arrived at step {first.arrives} "
+                  f"and was admitted at step {first.admitted_at} (version {resolved.digest.hex()[:8]})")
         c = manager.counters
         print(f"\n{c.reads} reads ({size(c.bytes_read)}, {c.read_failures} failed), {c.evictions} evictions, "
               f"{c.device_copies} slot copies, host hits {c.host_hits} / misses {c.host_misses}; "

@@ -1,0 +1,130 @@
+"""Adapters in object storage: `s3://bucket/prefix/`, and what obstore gives beside it (`gs://`, `az://`,
+`https://`), each a folder of adapter_config.json and *.safetensors as PEFT saves one.
+
+An adapter is pinned by listing its prefix once: each file's ETag and size are the object's identity, so
+an object replaced in the bucket is another Remote, checked as a new version under a new digest, and a
+download of a pinned one asks for that ETag (If-Match): a replaced object is refused, never served under
+the old digest. Credentials and endpoints come from obstore's own chain (AWS_* variables, instance
+metadata, and so on) and are never logged. Needs obstore (`pip install 'mstar-lora[objects]'`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+SCHEMES = ("s3://", "gs://", "az://", "abfs://", "https://", "http://")
+FILES = re.compile(r"adapter_config\.json|[^/]+\.safetensors")
+CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class Remote:
+    """One adapter's folder in object storage as it was when pinned: its URL (ending in /) and, for each of
+    its files, (name, ETag, size). Two pins of a folder whose objects were replaced between them differ."""
+
+    url: str
+    objects: tuple[tuple[str, str, int], ...]
+
+    def __str__(self) -> str:
+        return self.url
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, _, size in self.objects)
+
+
+def is_remote(source: object) -> bool:
+    return isinstance(source, Remote) or (isinstance(source, str) and source.startswith(SCHEMES))
+
+
+def store_for(url: str) -> Any:
+    """obstore's store for the bucket and prefix url names (one a prefix, reused: it pools its connections)."""
+    return _store(url.rstrip("/") + "/")
+
+
+@lru_cache(maxsize=64)
+def _store(url: str) -> Any:
+    try:
+        from obstore.store import from_url
+    except ImportError:
+        raise ValueError("an object-store URL needs obstore (pip install 'mstar-lora[objects]')") from None
+    # AWS_ALLOW_HTTP (an endpoint on plain http, a local S3 server's) passed as the client option it is: obstore
+    # reads its client options' variables when it is imported, not when a store is made
+    return from_url(url, client_options={"timeout": os.environ.get("MSTAR_LORA_OBJECT_TIMEOUT", "30s"),
+                                         "connect_timeout": "5s",
+                                         "allow_http": os.environ.get("AWS_ALLOW_HTTP", "false")},
+                    retry_config={"max_retries": 2, "backoff": {"init_backoff": timedelta(milliseconds=50),
+                                                                "max_backoff": timedelta(seconds=1), "base": 2},
+                                  "retry_timeout": timedelta(seconds=10)})
+
+
+def pin(url: str) -> Remote:
+    """url's adapter files as they are now (a ValueError that says why not, without repeating url)."""
+    import obstore
+
+    url = url.rstrip("/") + "/"
+    try:
+        listed = [meta for batch in obstore.list(store_for(url)) for meta in batch]
+    except Exception as e:
+        raise ValueError(f"its objects could not be listed ({short(e)})") from None
+    objects = tuple(sorted((m["path"], m["e_tag"] or "", m["size"]) for m in listed
+                           if FILES.fullmatch(m["path"])))
+    names = [n for n, _, _ in objects]
+    if "adapter_config.json" not in names or not any(n.endswith(".safetensors") for n in names):
+        raise ValueError(f"no adapter there: it holds {len(listed)} objects, and an adapter needs "
+                         "adapter_config.json and a .safetensors file beside it")
+    return Remote(url, objects)
+
+
+def has_objects(url: str) -> bool:
+    """Whether any object lies under url (a resolver's cheap question before a pin)."""
+    import obstore
+
+    try:
+        return any(len(batch) for batch in obstore.list(store_for(url.rstrip("/") + "/"), chunk_size=1))
+    except Exception as e:
+        raise ValueError(f"its objects could not be listed ({short(e)})") from None
+
+
+def download(remote: Remote, name: str, etag: str, size: int, dest: Path) -> None:
+    """One pinned object into dest, whole or not at all: a ValueError if it was replaced since its pin, came
+    short or long, or the store failed."""
+    import obstore
+    from obstore.exceptions import NotFoundError, PreconditionError
+
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+    try:
+        options = {"if_match": etag} if etag else None
+        got = 0
+        with open(tmp, "wb") as f:
+            for chunk in obstore.get(store_for(remote.url), name, options=options).stream(min_chunk_size=CHUNK):
+                got += len(chunk)
+                if got > size:
+                    break
+                f.write(chunk)
+        if got != size:
+            raise ValueError(f"{name} came with {got} bytes, not the {size} it was listed with")
+        os.replace(tmp, dest)
+    except PreconditionError:
+        raise ValueError(f"{name} was replaced in the store since it was checked (its ETag is no longer "
+                         f"{etag}): the new object is a new version") from None
+    except NotFoundError:
+        raise ValueError(f"{name} was deleted from the store since it was checked") from None
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"{name} could not be fetched ({short(e)})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def short(e: BaseException) -> str:
+    """An error's first line: obstore's carry the whole response and a debug dump after it."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__

@@ -1,0 +1,138 @@
+"""The manager's registrations: register, push, unregister, check_all, from any thread, and what a resolver
+found, each queued as a call (calls.py) and applied at a step, where every rank applies the same ones in the
+same order. A mixin of LoraManager, which holds the state it changes: the registry, the versions' entries,
+the calls, the resolution and the disk tier.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .calls import SYNC
+from .disk_tier import DiskTier, default_tier
+from .registry import Version
+from .versions import Checked, check_path, check_pushed
+
+if TYPE_CHECKING:
+    from .manager import LoraManager
+
+
+class Registrations:
+    """What a manager serves, changed by calls from any thread (see calls.py for how they are agreed)."""
+
+    def register(self: LoraManager, name: str, path: str | os.PathLike[str]) -> Version:
+        """name checked at path (or Hub id org/repo[@revision], pinned to its commit here) against every
+        node's spec and made current: requests admitted from now on get these weights under their
+        digest; running ones keep theirs. Registering a name again with other weights is a reload;
+        registering a failed name again retries it. The check runs on the calling thread; the call is
+        applied as calls() says. With a process group, a rank that cannot check it makes it refused on
+        every rank."""
+        return self._call("register", (name,), {name: check_path(self.stores, name, path, disk=self.disk_tier)})[name]
+
+    def push(self: LoraManager, name: str, tensors: Mapping[str, torch.Tensor], config: Any = None, *,
+             copy: bool = False) -> Version:
+        """register for weights in memory (a trainer's new LoRA weights, say): checked, digested as the
+        same weights saved as a file would be, and served as a new version of name, never half-visible.
+        The tensors are read, never written; the manager keeps them to read again after an eviction,
+        and refuses them if they change meanwhile (push again instead). copy=True keeps a copy of them
+        as they are at the push instead (one memcpy of their bytes, and that memory held while the
+        version is served): for tensors that go on changing, a live model's parameters under an
+        optimizer, say."""
+        if copy and isinstance(tensors, Mapping):
+            tensors = {k: t.detach().clone() if isinstance(t, torch.Tensor) else t for k, t in tensors.items()}
+        return self._call("register", (name,), {name: check_pushed(self.stores, name, tensors, config)})[name]
+
+    def register_all(self: LoraManager, adapters: Mapping[str, str | os.PathLike[str] | Version]) -> dict[str, Version]:
+        """The serving config at startup: every adapter checked (on every core), raising naming every
+        one that cannot be served, on any rank, before any is registered. A Hub id is resolved once, and
+        the commit it names is the one checked and read. A value that is a Version (from check_all) is
+        registered as checked, not hashed again."""
+        return self._call("register", tuple(adapters), self.check_all(adapters))
+
+    def check_all(self: LoraManager, adapters: Mapping[str, str | os.PathLike[str] | Version]) -> dict[str, Checked]:
+        """Each adapter checked (on every core), registering none: its Version, or why it cannot be served.
+        A deployment that serves the good ones passes those Versions to register_all, which then hashes no
+        file again. Each rank's own answer: register_all agrees them."""
+        def one(name: str, source: Any) -> Checked:
+            return source if isinstance(source, Version) else check_path(self.stores, name, source, hash_threads=1,
+                                                                         disk=self.disk_tier)
+
+        if all(isinstance(v, Version) for v in adapters.values()):
+            return dict(adapters)
+        with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="mstar-lora-check") as pool:
+            return dict(zip(adapters, pool.map(one, adapters, adapters.values()), strict=True))
+
+    def unregister(self: LoraManager, name: str) -> None:
+        """No new request gets name; its memory is freed once no running request uses it."""
+        self._call("unregister", (name,))
+
+    def _call(self: LoraManager, kind: str, names: tuple[str, ...],
+              checked: Mapping[str, Checked] | None = None) -> Any:
+        """A call queued, then applied, and its outcome (a ValueError raised). Without a process group it is
+        applied at once, under the lock the step takes. With one, a call from the engine thread (the one that
+        steps, or built the manager before any step) is agreed at once, as every rank makes it at the same
+        point of its loop; a call from any other thread waits for the next step, which applies it on every
+        rank alike (a call made on some ranks only is refused, after agree_within seconds, never a hang)."""
+        call = self._calls.put(kind, names, checked)
+        if self.group is None or threading.get_ident() == self._engine:
+            try:
+                while not call.done.done():  # until every rank has made it, or it waited past agree_within
+                    self._apply(SYNC)
+            except ValueError:
+                self._calls.drop(call)  # refused here: never applied later by a round it was not agreed in
+                raise
+        return call.done.result()
+
+    def _apply(self: LoraManager, round_: int) -> None:
+        """The calls every rank applies now, applied, in the order every rank applies them, and their callers
+        told."""
+        for call, result in self._calls.agree(round_):
+            if call.kind in ("resolve", "forget"):
+                self._resolved(call.kind, call.names[0], result)
+            elif isinstance(result, ValueError):
+                call.done.set_exception(result)
+                continue
+            with self._lock:
+                if call.kind == "unregister":
+                    for name in call.names:
+                        self.registry.unregister(name)
+                elif call.kind == "register":
+                    for v in result.values():
+                        self._register(v)
+                        if self._resolution is not None:
+                            self._resolution.resolved.discard(v.name)
+            call.done.set_result(result)
+        if self._resolution is not None:
+            self._resolution.expire()
+
+    def _resolved(self: LoraManager, kind: str, name: str, result: dict[str, Version] | ValueError) -> None:
+        if kind == "forget":
+            self._resolution.forget(name)  # type: ignore[union-attr]
+        elif isinstance(result, ValueError):
+            self._resolution.applied(name, result)  # type: ignore[union-attr]
+        else:
+            with self._lock:
+                if name not in self.registry:  # registered by a call meanwhile: that one stands
+                    self._register(result[name])
+            self._resolution.applied(name, None)  # type: ignore[union-attr]
+
+    def disk_tier(self: LoraManager) -> DiskTier:
+        """Where remote adapters' files are kept on local disk: the one given, else disk_tier.default_tier()."""
+        if self._disk_tier is None:
+            self._disk_tier = default_tier()
+        return self._disk_tier
+
+    def _register(self: LoraManager, version: Version) -> None:
+        entry = self._entries.get(version.key)
+        if entry is not None:  # the same weights again: a failed read is tried anew, with the version as given now
+            entry.version, entry.error = version, None
+            entry.registered += 1
+        # under the lock a step's collection takes: the entry is never collected as stale before its
+        # version is current (a reload registered from another thread than the step's was never read)
+        self.registry.register(version)
