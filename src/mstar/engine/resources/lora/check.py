@@ -14,7 +14,7 @@ import torch
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import HASH_ON_EVERY_CORE, adapter_digest
-from .experts import stacked_misfit, stacked_orientations
+from .experts import checkpoint_orientations, stacked_misfit
 from .header_json import no_collection
 from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
 from .memory import tensor_checkpoint
@@ -160,7 +160,7 @@ def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
     misfits = dict(info.misfits)
     config = ckpt.config
     skip = set(misfits) | set(info.unmapped)  # judged already, or another node's
-    ways = stacked_orientations(spec, ckpt.modules(spec.convert_keys))
+    ways = checkpoint_orientations(spec, ckpt)
     for module, keys in ckpt.modules(spec.convert_keys).items():
         a, b = keys.roles.get("A"), keys.roles.get("B")
         if a is None or b is None or module in skip:

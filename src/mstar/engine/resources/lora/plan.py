@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from .checkpoint import Checkpoint
-from .experts import stacked_orientations
+from .experts import checkpoint_orientations
 from .layout import SlotLayout, TargetLayout
 from .safetensors_header import DTYPES, TensorEntry
 from .spec import LoraTarget, as_linear
@@ -210,7 +210,7 @@ def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
         if loc is not None:
             placed.append((module, loc, keys.roles["A"], keys.roles["B"]))
     targets = tuple(n for n in spec.targets if any(loc.target == n for _, loc, _, _ in placed))
-    ways = stacked_orientations(spec, ckpt.modules(spec.convert_keys))
+    ways = checkpoint_orientations(spec, ckpt)
     stacked = [Stacked(m, A, B, loc.target, loc.layer, ways[m])
                for m, loc, A, B in placed if spec.targets[loc.target].experts is not None and loc.slice is None]
     stacked_modules = {st.module for st in stacked}
