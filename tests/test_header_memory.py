@@ -99,7 +99,7 @@ def test_refused_headers_keep_no_memory(tmp_path):
 def test_a_header_listing_more_tensors_than_the_specs_serve_is_refused_by_its_count(tmp_path):
     """5,000 tensors (past the 4,096 judged module by module) for a model whose specs serve at most 63."""
     file = tmp_path / "many.safetensors"
-    save_file({f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight": torch.zeros(1)
+    save_file({f"model.layers.{i}.self_attn.q_proj.lora_A.weight": torch.zeros(1)
                for i in range(5000)}, file)
     llama = specs_from_config(model_config("llama"), max_rank=8)
     with pytest.raises(ValueError, match=r"adapter 'many' \(.*\): its header lists 5000 tensors, more than the 63 "

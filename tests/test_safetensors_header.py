@@ -55,7 +55,7 @@ CORRUPT = {
     "unknown dtype": (lambda: raw_file({"a": entry(dtype="F7")}, b"\0" * 8), "unknown dtype 'F7'"),
     "negative shape": (lambda: raw_file({"a": entry(shape=(-2,))}, b"\0" * 8), "is not a list of sizes"),
     "boolean shape": (lambda: raw_file({"a": entry(shape=(True,), offsets=(0, 4))}, b"\0" * 4), "list of sizes"),
-    "boolean offsets": (lambda: raw_file({"a": entry(shape=(1,), offsets=(False, True))}, b"\0"), "not [begin, end]"),
+    "boolean offsets": (lambda: raw_file({"a": entry(shape=(1,), offsets=(False, True))}, b"\0"), "data_offsets"),
     "fractional shape": (lambda: raw_file({"a": entry(shape=(1.0,), offsets=(0, 4))}, b"\0" * 4), "list of sizes"),
     "oversized header": (lambda: struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}", "over the 104857600-byte limit"),
     "too short": (lambda: b"\x01\x02", "too short"),
