@@ -50,6 +50,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     "experts.py": (f"{T}experts.py", f"{T}expert_folds.py", f"{T}expert_configs.py", f"{T}experts_transformers4.py"),
     "safetensors_header.py": (f"{T}safetensors_header.py", f"{T}header_memory.py", f"{T}hostile_configs.py"),
     "header_json.py": (f"{T}safetensors_header.py",),
+    "checkpoint.py": (f"{T}header_memory.py", f"{T}check.py"),
     "keys.py": (f"{T}trainers.py", f"{T}check.py", f"{T}flux.py"),
 }
 
