@@ -52,6 +52,10 @@ TESTS: dict[str, tuple[str, ...]] = {
                  f"{T}integrity.py", f"{T}numerics.py"),
     "experts.py": (f"{T}experts.py", f"{T}expert_folds.py", f"{T}expert_configs.py", f"{T}experts_transformers4.py"),
     "hub.py": (f"{T}integrity.py", f"{T}sources.py"),
+    "safetensors_header.py": (f"{T}safetensors_header.py", f"{T}header_memory.py", f"{T}hostile_configs.py"),
+    "header_json.py": (f"{T}safetensors_header.py",),
+    "checkpoint.py": (f"{T}header_memory.py", f"{T}check.py"),
+    "keys.py": (f"{T}trainers.py", f"{T}check.py", f"{T}flux.py"),
 }
 
 M = Mutant
@@ -135,7 +139,7 @@ MUTANTS: list[Mutant] = [
       "staged reads land off the file's alignment (slow copies)"),
     M("plan.staging-misaligned", "plan.py", "return at + (-at) % dtype.itemsize", "return at + (start - at) % SKEW",
       "a file's tensors off their dtype's alignment (a header of odd length) are staged there and cannot be viewed"),
-    M("plan.direct-b-below-max-rank", "plan.py", "if same and r == R:", "if same:",
+    M("plan.direct-b-below-max-rank", "plan.py", "if exact and r == R:", "if exact:",
       "a B of rank below max_rank is read straight into R-wide rows"),
     M("plan.a-shard-read-whole", "plan.py", "if a.columns != (0, cols):", "if False:",
       "a row target's column shard of A is read as if whole"),
@@ -332,7 +336,7 @@ MUTANTS: list[Mutant] = [
     M("adapter_config.layers-pattern-ignored", "adapter_config.py", "self.layers_pattern or (None,)",
       "(None,)", "layers_pattern is ignored: the index after another word restricts the layers"),
     M("adapter_config.parameters-restricted", "adapter_config.py",
-      "if self.target_parameters and _names(self.target_parameters, module):", "if False:",
+      "if self._parameter_targeted(module):", "if False:",
       "stacked experts' layers outside layers_to_transform are refused, which PEFT's target_parameters serve",
       tests=(f"{T}expert_folds.py",)),
     M("adapter_config.lora-ga-served", "adapter_config.py", "\"loftq\", \"lora_ga\")", "\"loftq\")",
@@ -357,7 +361,8 @@ MUTANTS: list[Mutant] = [
       "weights target_modules leaves out are served, though PEFT drops them"),
     M("check.empty-accepted", "check.py", "if not ckpt.header.tensors:", "if False:",
       "a file with no weights serves the base model under an adapter's name"),
-    M("check.lm-head-accepted", "check.py", "if module.rsplit(\".\", 1)[-1] in _VOCAB_MODULES:", "if False:",
+    M("check.lm-head-accepted", "check.py", "if module.endswith(_VOCAB_ENDINGS) or module in _VOCAB_MODULES:",
+      "if False:",
       "LoRA on lm_head or the embeddings is accepted"),
 
     # --- experts.py ---
@@ -394,4 +399,23 @@ MUTANTS: list[Mutant] = [
       "real.parent != snapshots", "a Hub ref naming a folder of snapshots/ that is no commit is read"),
     M("versions.digests-not-compared", "versions.py", "elif len(set(seen)) != 1:", "elif False:",
       "ranks that read different weights for one registration each serve their own under one name"),
+    # --- the header's parse and cache, the compiled locate and key split (issues 28, 29.3) ---
+    M("header.bool-as-size", "safetensors_header.py", "if dims and (set(map(type, dims)) != {int} or min(dims) < 0):",
+      "if dims and min(dims) < 0:", "a shape of true or 1.0 is read as a size of 1"),
+    M("header.packing-sorted-unchecked", "safetensors_header.py", "if begin[1:] != finish[:-1]:",
+      "if False:", "tensors that overlap or leave gaps, listed out of file order, are accepted"),
+    M("header.duplicates-uncounted", "header_json.py", 'return text.count(b":") == keys + "".join(strings).count(":")',
+      "return True", "a key written twice is read as its last value"),
+    M("header.refused-kept", "checkpoint.py", "        safetensors_header.forget(self.header)\n        return refusal(",
+      "        return refusal(", "a refused adapter's parsed header stays in the cache"),
+    M("header.charged-bytes", "safetensors_header.py", "return len(header.prefix) + TENSOR_BYTES * len(header.tensors)",
+      "return len(header.prefix)", "the cache bounds header bytes, not the memory their parse holds",
+      tests=(f"{T}header_memory.py",)),
+    M("check.count-unbounded", "check.py", "if len(ckpt.header.tensors) > max(most, EARLY_REFUSAL):", "if False:",
+      "a header listing far more tensors than the specs serve is grouped, located and matched, tensor by tensor",
+      tests=(f"{T}header_memory.py",)),
+    M("spec.joined-first-alternative", "spec.py", "i = int(m.lastgroup[2:])", "i = 0",
+      "a module is located by the first pattern's target, whichever pattern matched", tests=(f"{T}spec_locate.py",)),
+    M("keys.tail-too-short", "keys.py", "_LONGEST = len(_BY_LENGTH[0][0])", "_LONGEST = 14",
+      "a key with a suffix longer than .lora_A.weight (DiffSynth's .lora_A.default.weight) is split at the shorter"),
 ]

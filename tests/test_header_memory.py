@@ -8,11 +8,15 @@ import subprocess
 import sys
 import tracemalloc
 
+import pytest
 import torch
 from moe import per_expert_adapter, specs
+from safetensors.torch import save_file
+from tiny import model_config
 
 from mstar.engine.resources.lora import LoraAdapterStore, check_adapter_file
 from mstar.engine.resources.lora import safetensors_header as sh
+from mstar.engine.resources.lora.models import specs_from_config
 
 # The README's bound: refusing four headers of 250,000 tensors each, one after another, leaves resident
 # memory no more than this above where the first refusal left it.
@@ -90,3 +94,15 @@ def test_refused_headers_keep_no_memory(tmp_path):
     cached, *rss = map(int, done.stdout.split())
     assert cached == 0
     assert rss[-1] - rss[0] <= REFUSED_RSS_MB, rss
+
+
+def test_a_header_listing_more_tensors_than_the_specs_serve_is_refused_by_its_count(tmp_path):
+    """5,000 tensors (past the 4,096 judged module by module) for a model whose specs serve at most 63."""
+    file = tmp_path / "many.safetensors"
+    save_file({f"model.layers.{i}.self_attn.q_proj.lora_A.weight": torch.zeros(1)
+               for i in range(5000)}, file)
+    llama = specs_from_config(model_config("llama"), max_rank=8)
+    with pytest.raises(ValueError, match=r"adapter 'many' \(.*\): its header lists 5000 tensors, more than the 63 "
+                                         r"that language_model can serve"):
+        check_adapter_file(llama["language_model"], "many", file)
+    assert all(len(h.tensors) != 5000 for h, _ in sh._HEADERS._headers.values()), "a refused header stays cached"

@@ -179,11 +179,15 @@ def test_a_header_listing_absurdly_many_tensors_is_refused_before_it_is_parsed(t
 
 
 def test_the_header_cache_is_bounded_in_bytes(tmp_path, monkeypatch):
-    monkeypatch.setattr(sh._HEADERS, "limit", 1 << 20)
+    """Bounded by what it is charged (a header's bytes and what its parse holds, test_header_memory.py)."""
+    sh._HEADERS.clear()
+    limit = 3 * sh.held_bytes(sh.read_header(header_file(tmp_path / "one.safetensors", 4000, prefix="one_")))
+    sh._HEADERS.clear()
+    monkeypatch.setattr(sh._HEADERS, "limit", limit)
     for i in range(12):
         sh.read_header(header_file(tmp_path / f"h{i}.safetensors", 4000, prefix=f"h{i}_"))
-        assert sh._HEADERS.nbytes <= 1 << 20
-    assert len(sh._HEADERS._headers) < 12
+        assert sh._HEADERS.nbytes <= limit
+    assert len(sh._HEADERS) == 3
 
 
 def test_a_name_past_the_limit_is_refused_by_the_header_check(tmp_path):

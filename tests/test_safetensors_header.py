@@ -54,6 +54,9 @@ CORRUPT = {
     "not an object": (lambda: raw_file([1, 2]), "not a JSON object"),  # type: ignore[arg-type]
     "unknown dtype": (lambda: raw_file({"a": entry(dtype="F7")}, b"\0" * 8), "unknown dtype 'F7'"),
     "negative shape": (lambda: raw_file({"a": entry(shape=(-2,))}, b"\0" * 8), "is not a list of sizes"),
+    "boolean shape": (lambda: raw_file({"a": entry(shape=(True,), offsets=(0, 4))}, b"\0" * 4), "list of sizes"),
+    "boolean offsets": (lambda: raw_file({"a": entry(shape=(1,), offsets=(False, True))}, b"\0"), "data_offsets"),
+    "fractional shape": (lambda: raw_file({"a": entry(shape=(1.0,), offsets=(0, 4))}, b"\0" * 4), "list of sizes"),
     "oversized header": (lambda: struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}", "over the 104857600-byte limit"),
     "too short": (lambda: b"\x01\x02", "too short"),
     "trailing bytes": (lambda: raw_file({"a": entry()}, b"\0" * 9), "short of the file's 9 data bytes"),

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .adapter_config import AdapterConfig
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import HASH_ON_EVERY_CORE, adapter_digest
-from .experts import stacked_misfit, stacked_orientations
+from .experts import checkpoint_orientations, stacked_misfit
 from .header_json import no_collection
 from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
 from .spec import AdapterInfo, Location, LoraSpec, as_linear, canonical_index
@@ -183,7 +183,7 @@ def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
     misfits = dict(info.misfits)
     config = ckpt.config
     skip = set(misfits) | set(info.unmapped)  # judged already, or another node's
-    ways = stacked_orientations(spec, ckpt.modules(spec.convert_keys))
+    ways = checkpoint_orientations(spec, ckpt)
     rules = ckpt.module_rules(spec.convert_keys)
     for module, keys in ckpt.modules(spec.convert_keys).items():
         a, b = keys.roles.get("A"), keys.roles.get("B")

@@ -14,10 +14,13 @@ every parameter of an experts class; where none shows it, the adapter is refused
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from .keys import ModuleKeys
 from .spec import LoraSpec, LoraTarget
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
 
 Orientation = Literal["A in", "A out"]  # lora_A on the expert's input side, or its output side
 
@@ -56,6 +59,15 @@ def stacked_misfit(t: LoraTarget, name: str, a_shape: Sequence[int], b_shape: Se
     if a_shape[0] // count > max_rank:
         return f"rank {a_shape[0] // count} per expert, over this pool's max_rank {max_rank} for experts"
     return None
+
+
+def checkpoint_orientations(spec: LoraSpec, ckpt: Checkpoint) -> dict[str, Orientation | str]:
+    """stacked_orientations of a checkpoint's modules as spec reads them: once per header and spec, for its
+    inspection and its plan alike."""
+    key = ("orientations", spec)
+    if key not in ckpt.header.memo:
+        ckpt.header.memo[key] = stacked_orientations(spec, ckpt.modules(spec.convert_keys))
+    return ckpt.header.memo[key]
 
 
 def stacked_orientations(spec: LoraSpec, modules: Mapping[str, ModuleKeys]) -> dict[str, Orientation | str]:

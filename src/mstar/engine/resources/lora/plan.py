@@ -21,7 +21,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple
 
 from .checkpoint import Checkpoint
-from .experts import stacked_orientations
+from .experts import checkpoint_orientations
 from .layout import SlotLayout, TargetLayout
 from .safetensors_header import TensorEntry, torch_dtypes
 from .spec import LoraSpec, LoraTarget, as_linear
@@ -219,7 +219,7 @@ def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
         if loc is not None:
             placed.append((module, loc, keys.roles["A"], keys.roles["B"]))
     targets = served_targets(ckpt, spec)
-    ways = stacked_orientations(spec, ckpt.modules(spec.convert_keys))
+    ways = checkpoint_orientations(spec, ckpt)
     stacked = [Stacked(m, A, B, loc.target, loc.layer, ways[m])
                for m, loc, A, B in placed if spec.targets[loc.target].experts is not None and loc.slice is None]
     stacked_modules = {st.module for st in stacked}
