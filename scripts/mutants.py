@@ -56,6 +56,8 @@ TESTS: dict[str, tuple[str, ...]] = {
     "header_json.py": (f"{T}safetensors_header.py",),
     "checkpoint.py": (f"{T}header_memory.py", f"{T}check.py"),
     "keys.py": (f"{T}trainers.py", f"{T}check.py", f"{T}flux.py"),
+    **{f"models/{m}.py": (f"{T}derived_rules.py", f"{T}derived_builders.py", f"{T}derived_sweep.py")
+       for m in ("sites", "rules", "derived")},
 }
 
 M = Mutant
@@ -418,4 +420,25 @@ MUTANTS: list[Mutant] = [
       "a module is located by the first pattern's target, whichever pattern matched", tests=(f"{T}spec_locate.py",)),
     M("keys.tail-too-short", "keys.py", "_LONGEST = len(_BY_LENGTH[0][0])", "_LONGEST = 14",
       "a key with a suffix longer than .lora_A.weight (DiffSynth's .lora_A.default.weight) is split at the shorter"),
+    # --- the spec derived from the model (issue 25) ---
+    M("sites.interleave-flipped", "models/sites.py", 'gated and not getattr(module, "is_concatenated", True)',
+      'gated and getattr(module, "is_concatenated", True)', "gate and up read interleaved where concatenated"),
+    M("sites.transposed-ignored", "models/sites.py", 'return "in_out" if marked else "out_in"', 'return "out_in"',
+      "experts marked is_transposed read as [E, out, in]"),
+    M("sites.down-side-flipped", "models/sites.py", "(d2 == hidden) != down", "(d2 == hidden)",
+      "an unmarked down projection's input taken for its output"),
+    M("rules.kv-heads-are-query-heads", "models/rules.py",
+      'n = field(config, "num_key_value_heads", "num_kv_heads", "n_head_kv") or q', "n = q",
+      "k and v shard by the query's heads, not replicating KV heads past their count"),
+    M("rules.transposed-styles-not-swapped", "models/rules.py",
+      'return {"column": "row", "row": "column"}.get(parallel, parallel) if transposed else parallel',
+      "return parallel", "a plan's style on [E, in, out] experts read as on a linear's weight"),
+    M("rules.packed-sliced-by-guess", "models/rules.py", "if q and head_dim and width == (q + 2 * kv) * head_dim:",
+      "if q and head_dim:", "a qkv linear split into q, k, v whatever its width"),
+    M("derived.some-layers-as-all", "models/derived.py", "        ids = layers\n", "        ids = None\n",
+      "a target on some layers laid out as if on every one"),
+    M("derived.fuse-apart-sharded", "models/derived.py", "(s.prefix, s.parent, g.layers, s.in_features, g.parallel)",
+      "(s.prefix, s.parent, g.layers, s.in_features)", "siblings the plan shards apart fused into one target"),
+    M("derived.keys-nesting-reversed", "models/derived.py", "params[len(params) - 1 - depth]", "params[depth]",
+      "PEFT's nested wrappers read outermost first: gate_up's factors as down's"),
 ]
