@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusion_models import MODELS, diffusers_loaded, model, peft_state, pipeline
 from reference import lora_modules, peft_delta, slot_delta
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from mstar.engine.resources.lora import LoraAdapterStore, check_adapter_file, specs_from_config
 
@@ -58,3 +58,59 @@ def test_diffusion_model_prefix_layout(tmp_path, name):
     state = peft_state(model(MODELS[name]))
     save_file({f"diffusion_model.{k}": v.contiguous() for k, v in state.items()}, tmp_path / "d.safetensors")
     assert_as_diffusers_loads(MODELS[name], tmp_path / "d.safetensors", len(state) // 2)
+
+
+def bfl_file(path, modules, prefix="diffusion_model.", roles=("lora_A", "lora_B"), seed=3):
+    """Random factors under the original (BFL / Tencent) module names diffusers' converters read, each
+    module's (in, out) as the model has it."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, (fan_in, fan_out) in modules.items():
+        tensors[f"{prefix}{name}.{roles[0]}.weight"] = torch.randn(4, fan_in, generator=g)
+        tensors[f"{prefix}{name}.{roles[1]}.weight"] = torch.randn(fan_out, 4, generator=g) * 0.1
+    save_file(tensors, path)
+    return path
+
+
+FLUX2_BFL = {"double_blocks.0.img_attn.qkv": (16, 48), "double_blocks.0.txt_attn.qkv": (16, 48),
+             "double_blocks.0.img_attn.proj": (16, 16), "double_blocks.0.txt_mlp.0": (16, 96),
+             "double_blocks.0.img_mlp.2": (48, 16), "single_blocks.0.linear1": (16, 144),
+             "single_blocks.0.linear2": (64, 16), "img_in": (8, 16), "double_stream_modulation_img.lin": (16, 96),
+             "final_layer.linear": (16, 8)}
+
+
+def test_flux2_ai_toolkit_layout_with_fused_qkv(tmp_path):
+    """ai-toolkit's Flux 2 keys (BFL's names under diffusion_model., q, k, v fused), which diffusers' converter
+    splits among to_q, to_k, to_v: served as the fused projection over them, with the delta diffusers gives."""
+    file = bfl_file(tmp_path / "ait.safetensors", FLUX2_BFL)
+    # each fused qkv loads as three modules
+    assert_as_diffusers_loads(MODELS["flux2"], file, len(FLUX2_BFL) + 4)
+    spec = specs_from_config(MODELS["flux2"], max_rank=4)["transformer"]
+    modules = spec.convert_keys(list(load_file(file)))
+    assert modules["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"] == (
+        "transformer_blocks.0.attn.to_q+to_k+to_v", "A")
+
+
+HUNYUAN_ORIGINAL = {"double_blocks.0.img_attn_qkv": (16, 48), "double_blocks.0.txt_attn_qkv": (16, 48),
+                    "double_blocks.0.img_attn_proj": (16, 16), "double_blocks.0.txt_attn_proj": (16, 16),
+                    "double_blocks.0.img_mlp.fc1": (16, 64), "double_blocks.0.txt_mlp.fc2": (64, 16),
+                    "double_blocks.0.img_mod.linear": (16, 96), "single_blocks.0.linear2": (80, 16),
+                    "single_blocks.0.modulation.linear": (16, 48), "time_in.mlp.0": (256, 16),
+                    "final_layer.linear": (16, 4)}
+
+
+def test_hunyuan_video_original_layout_with_fused_qkv(tmp_path):
+    file = bfl_file(tmp_path / "hy.safetensors", HUNYUAN_ORIGINAL, prefix="")
+    assert_as_diffusers_loads(MODELS["hunyuan_video"], file, len(HUNYUAN_ORIGINAL) + 4)
+
+
+@pytest.mark.parametrize(("module", "shape"), [
+    ("final_layer.adaLN_modulation.1", (16, 32)),  # diffusers swaps the halves of A's rank as of B's rows
+    ("txt_in.individual_token_refiner.blocks.0.self_attn_qkv", (16, 48)),  # diffusers chunks its A's rank
+])
+def test_hunyuan_modules_diffusers_converts_wrongly_are_refused_by_name(tmp_path, module, shape):
+    file = bfl_file(tmp_path / "hy.safetensors", {"double_blocks.0.img_attn_qkv": (16, 48), module: shape},
+                    prefix="")
+    spec = specs_from_config(MODELS["hunyuan_video"], max_rank=4)["transformer"]
+    with pytest.raises(ValueError, match=rf"module {module.replace('.', '[.]')}: no target of transformer maps it"):
+        check_adapter_file(spec, "hy", file)

@@ -35,12 +35,19 @@ class DiffusersKeys:
     node: str
     names: frozenset[str]
     text_encoders: tuple[str, ...] = ()
+    pipeline: str | None = None  # the diffusers pipeline whose lora_state_dict converts its trainers' layouts
 
     def __call__(self, keys: Sequence[str]) -> dict[str, tuple[str, str]]:
-        kohya = _kohya_names(tuple(k for k in keys if k.startswith(("lora_unet_", *KOHYA_TEXT))))
+        kohya = {} if self.node != "unet" else _kohya_names(
+            tuple(k for k in keys if k.startswith(("lora_unet_", *KOHYA_TEXT))))
+        traced = self._traced(tuple(keys))
         out = {}
         for key in keys:
             lora, _, _ = key.partition(".")
+            source, role = split_key(key)
+            if source in traced:
+                out[key] = (traced[source], role)
+                continue
             if lora in kohya:
                 module, role = kohya[lora], split_key(key)[1]
                 if text_encoder_of(module) is None and module not in self.names:
@@ -52,6 +59,16 @@ class DiffusersKeys:
                 role = "text_encoder"
             out[key] = (module, role)
         return out
+
+    def _traced(self, keys: tuple[str, ...]) -> dict[str, str]:
+        """Each source module (as split_key names it) the pipeline's own conversion places on modules of this
+        model (or fuses over siblings of it)."""
+        if self.pipeline is None:
+            return {}
+        modules = _traced(self.pipeline, keys, self.node)
+        return {split_key(k)[0]: m for k, m in modules.items()
+                if all(f"{m.rpartition('.')[0]}.{leaf}".lstrip(".") in self.names
+                       for leaf in m.rpartition(".")[2].split("+"))}
 
     def _diffusers(self, key: str) -> tuple[str, str]:
         bare = key.removeprefix(PEFT_PREFIX)
@@ -69,6 +86,15 @@ class DiffusersKeys:
     @functools.cached_property
     def _flat_names(self) -> dict[str, str]:
         return {n.replace(".", "_"): n for n in self.names}
+
+
+@functools.lru_cache(maxsize=64)
+def _traced(pipeline: str, keys: tuple[str, ...], node: str) -> dict[str, str]:
+    import diffusers
+
+    from .traced import traced_modules
+
+    return traced_modules(getattr(diffusers, pipeline).lora_state_dict, keys, f"{node}.") or {}
 
 
 @functools.lru_cache(maxsize=64)
