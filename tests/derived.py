@@ -78,8 +78,10 @@ def all_linear_adapter(tmp: Path, model: torch.nn.Module, name: str = "ad", seed
 
 
 def peft_deltas(pm: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Each LoRA layer's delta weight as PEFT computes it, by the name a checkpoint gives it (a stacked
-    parameter's LoRA named module.parameter, as WrappedKeys reads it)."""
+    """Each LoRA layer's delta weight as PEFT computes it, as a linear's [out, in] (a conv's flattened), by the
+    name a checkpoint gives it: a stacked parameter's LoRA named module.parameter (as WrappedKeys reads it),
+    its delta [E, out, in] with gate rows then up rows, by what transformers' experts class declares of its
+    layout (is_transposed: [E, in, out]; is_concatenated false: gate and up rows interleaved)."""
     from peft.tuners.lora import LoraLayer, ParamWrapper
 
     out = {}
@@ -93,7 +95,12 @@ def peft_deltas(pm: torch.nn.Module) -> dict[str, torch.Tensor]:
             while name.endswith(".base_layer"):
                 name = name.removesuffix(".base_layer")
             name = f"{name}.{m.parameter_name}"
-        out[name] = delta
+            experts = m.get_base_layer()
+            if experts.is_transposed:
+                delta = delta.transpose(1, 2)
+            if "gate_up" in m.parameter_name and experts.has_gate and not experts.is_concatenated:
+                delta = torch.cat([delta[:, 0::2], delta[:, 1::2]], 1)
+        out[name] = delta.flatten(1) if delta.dim() > 2 and not isinstance(m, ParamWrapper) else delta
     return out
 
 
@@ -148,20 +155,6 @@ def slot_delta(spec, a: torch.Tensor, b: torch.Tensor, scaling: float, module: s
     return torch.stack([torch.cat(parts[e * per : (e + 1) * per]) for e in range(t.experts.count)])
 
 
-def as_linear_delta(spec, module: str, delta: torch.Tensor) -> torch.Tensor:
-    """PEFT's delta of a parameter as a linear's [out, in] (per expert [E, out, in], gate rows then up)."""
-    t = spec.targets[spec.locate(module).target]
-    if delta.dim() > 2 and t.experts is None:  # a conv's [out, c, *kernel]
-        return delta.flatten(1)
-    if t.experts is None:
-        return delta
-    if t.experts.layout == "in_out":
-        delta = delta.transpose(1, 2)
-    if t.experts.interleaved:
-        delta = torch.cat([delta[:, 0::2], delta[:, 1::2]], 1)
-    return delta
-
-
 def assert_serves_peft(pm, specs: dict, path: Path, world_size: int = 1, tol: float = 1e-4) -> set[str]:
     """Every LoRA module of pm is located by one node and served with PEFT's delta (relative error under tol)
     from the ranks' shards put back together; returns the modules checked."""
@@ -174,7 +167,6 @@ def assert_serves_peft(pm, specs: dict, path: Path, world_size: int = 1, tol: fl
         target = spec.locate(module).target
         a, b = whole(spec, ranks, target)
         got = slot_delta(spec, a, b, ranks[0].scaling, module)
-        want = as_linear_delta(spec, module, want)
         err = (got - want).norm() / want.norm().clamp_min(1e-12)
         assert err < tol, f"{module} ({target}, world size {world_size}): relative error {err:.2e}"
         checked.add(module)

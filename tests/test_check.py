@@ -76,7 +76,7 @@ def test_older_module_layout_of_qwen2_vl_resolves():
     assert spec["vision_tower"].locate("visual.blocks.1.attn.qkv") == ("qkv", 1, None)
     assert spec["vision_tower"].locate("model.visual.blocks.1.attn.qkv") == ("qkv", 1, None)
     assert spec["vision_tower"].locate("visual.patch_embed.proj") == ("patch_embed", 0, None)
-    assert spec["vision_tower"].locate("visual.merger.mlp.0") is None
+    assert spec["vision_tower"].locate("visual.merger.mlp.0") == ("merger_fc1", 0, None)
 
 
 def test_refuses_rank_over_max_rank(tmp_path):
@@ -116,10 +116,11 @@ def test_refuses_lora_bias(tmp_path):
 
 
 def test_refuses_modules_no_spec_maps(tmp_path):
+    """The merger's linears are the vision tower's: a deployment serving the language model alone refuses them."""
     _, path = make_adapter(tmp_path, "qwen2_vl", target_modules=["q_proj", "merger.mlp.0"])
     specs = specs_from_config(model_config("qwen2_vl"), max_rank=8)
-    refused(specs["language_model"], path, r"model\.visual\.merger\.mlp\.0: no target of language_model, vision_tower",
-            others=[specs["vision_tower"]])
+    refused(specs["language_model"], path, r"model\.visual\.merger\.mlp\.0: no target of language_model maps it")
+    check_adapter_file(specs["language_model"], "ad", path, [specs["vision_tower"]])
 
 
 def test_refuses_shapes_of_a_differently_sized_model(tmp_path):

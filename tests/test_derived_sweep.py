@@ -25,6 +25,12 @@ FAMILIES = {
 }
 
 
+# family -> config fields beside the shrunk sizes: hybrids whose tiny defaults would have one kind of layer
+CONFIGS = {"lfm2": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+           "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba", "attention"]}}
+FAMILIES["granitemoehybrid"] = MAMBA
+
+
 def world_sizes(specs) -> list[int]:
     shards = any(t.parallel != "replicated" for s in specs.values() for t in s.targets.values())
     return [1, 2, 4] if shards else [1]
@@ -32,7 +38,7 @@ def world_sizes(specs) -> list[int]:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_all_linear_is_served_with_peft_delta_at_every_world_size(tmp_path, family):
-    config = tiny_config(family)
+    config = tiny_config(family, **CONFIGS.get(family, {}))
     pm, path = all_linear_adapter(tmp_path, build(config), **FAMILIES[family])
     specs = specs_from_model(build(config, device="meta"), max_rank=4)
     for world_size in world_sizes(specs):
@@ -44,7 +50,7 @@ def test_all_linear_is_served_with_peft_delta_at_every_world_size(tmp_path, fami
     "olmoe", "granitemoe", "granitemoehybrid", "nemotron_h", "llama4_text", "ernie4_5_moe", "hunyuan_v1_moe",
     "minimax", "minimax_m2", "phimoe", "qwen3_vl_moe")])
 def test_stacked_experts_by_target_parameters_are_served_with_peft_delta(tmp_path, family):
-    config = tiny_config(family)
+    config = tiny_config(family, **CONFIGS.get(family, {}))
     specs = specs_from_model(build(config, device="meta"), max_rank=4)
     stacked = sorted({n.rpartition("*.")[2] for n in specs["experts"].targets})
     pm, path = all_linear_adapter(tmp_path, build(config), target_modules=[], target_parameters=stacked)
@@ -53,10 +59,10 @@ def test_stacked_experts_by_target_parameters_are_served_with_peft_delta(tmp_pat
         assert {m.rpartition(".")[2] for m in checked} == {s.rpartition(".")[2] for s in stacked}
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "gemma3", "mllama", "falcon_h1"])
+@pytest.mark.parametrize("family", ["qwen3_next", "gemma3", "mllama", "falcon_h1", "lfm2"])
 def test_a_config_no_builder_knows_falls_back_to_the_spec_derived_from_it(family):
     """What specs_from_config gives a config.json's dict is what the model built from it derives."""
-    config = tiny_config(family)
+    config = tiny_config(family, **CONFIGS.get(family, {}))
     got = specs_from_config(config.to_dict(), max_rank=4)
     want = specs_from_model(build(config, device="meta"), max_rank=4)
     assert {n: (dict(s.targets), s.patterns) for n, s in got.items()} == \

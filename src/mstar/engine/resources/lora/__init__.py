@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .digest import adapter_digest
     from .layout import SlotLayout, TargetLayout
     from .manager import Counters, LoraManager, Request, Step
-    from .models import specs_from_config
+    from .models import specs_from_config, specs_from_model
     from .pool import LoraDevicePool
     from .registry import Version
     from .spec import AdapterInfo, Location, LoraSpec, LoraTarget
@@ -32,7 +32,7 @@ _HOMES = {
     "adapter_digest": "digest",
     "SlotLayout": "layout", "TargetLayout": "layout",
     "Counters": "manager", "LoraManager": "manager", "Request": "manager", "Step": "manager",
-    "specs_from_config": "models",
+    "specs_from_config": "models", "specs_from_model": "models",
     "LoraDevicePool": "pool",
     "Version": "registry",
     "AdapterInfo": "spec", "Location": "spec", "LoraSpec": "spec", "LoraTarget": "spec",
@@ -62,6 +62,7 @@ __all__ = [
     "check_adapters",
     "inspect_adapter",
     "specs_from_config",
+    "specs_from_model",
 ]
 
 

@@ -16,7 +16,7 @@ from .fields import CheckedConfig, FieldError
 from .flux import flux_specs
 from .meta import meta_model
 from .moe import FAMILIES, moe_specs
-from .pipeline import denoiser_specs, is_pipeline, pipeline_specs
+from .pipeline import denoiser_config, denoiser_specs, is_pipeline, with_text_encoders
 from .qwen2_vl import qwen2_5_vl_specs, qwen2_vl_specs
 from .wan import wan_specs
 
@@ -80,7 +80,8 @@ def specs_from_config(
         _positive("max_expert_rank", max_expert_rank)
     kw = {"max_rank": max_rank, "capacity": capacity, "adapters": adapters, "dtype": dtype}
     if is_pipeline(config):  # a diffusers pipeline's folder: its denoiser and text encoders
-        return pipeline_specs(config, **kw)
+        denoiser = specs_from_config(denoiser_config(config), max_expert_rank=max_expert_rank, **kw)
+        return with_text_encoders(config, denoiser, **kw)
     raw, source = read_model_config(config)
     try:
         kind = model_type(CheckedConfig(raw, source))
@@ -89,6 +90,8 @@ def specs_from_config(
     except ValueError:  # no builder: derived from the model diffusers or transformers builds on the meta device
         if isinstance(raw.get("_class_name"), str):
             return denoiser_specs(raw, source, **kw)
+        kind = None
+    if kind is None or (kind in FAMILIES and _dense_beside_experts(CheckedConfig(raw, source, kind))):
         return specs_from_model(meta_model(raw, source), max_expert_rank=max_expert_rank, **kw)
     try:
         checked = CheckedConfig(raw, source, kind)
@@ -101,6 +104,12 @@ def specs_from_config(
         raise ValueError(f"{source}: config lacks {e.args[0]!r}, which its architecture needs") from None
     except ValueError as e:  # the config's, as the builder found it
         raise ValueError(f"{source}: {e}") from None
+
+
+def _dense_beside_experts(config: Mapping[str, Any]) -> bool:
+    """Whether some layers have a dense MLP instead of experts, which the MoE builder's targets (on every
+    layer) do not say and the derived spec's (on the layers holding each) do."""
+    return bool(config.get("mlp_only_layers")) or config.get("decoder_sparse_step", 1) != 1
 
 
 def _positive(what: str, value: object) -> None:

@@ -85,7 +85,11 @@ def _groups(found: list[Site], plan: rules.Plan) -> list[Group]:
     by: dict[tuple, list[Site]] = {}
     for s in found:
         by.setdefault((s.template, s.kind, s.in_features, s.out_features, s.kernel, s.experts), []).append(s)
-    return [Group(tuple(ss), _node(ss[0]), plan.parallel(ss[0].name)) for ss in by.values()]
+    return [Group(tuple(ss), _node(ss[0]), plan.parallel(ss[0].name, _transposed(ss[0]))) for ss in by.values()]
+
+
+def _transposed(s: Site) -> bool:
+    return s.experts is not None and s.experts.layout == "in_out"
 
 
 def _targets(groups: list[Group], fuse: Sequence[Sequence[str]], lengths: Mapping[str, int]):

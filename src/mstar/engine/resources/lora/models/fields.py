@@ -87,7 +87,7 @@ FIELDS: dict[str, Check] = {
     "decoder_sparse_step": SIZE, "mlp_only_layers": _layer_indices,
     # vision towers
     "depth": SIZE, "embed_dim": SIZE, "num_heads": SIZE, "patch_size": SIZE, "temporal_patch_size": SIZE,
-    "in_channels": SIZE, "in_chans": SIZE, "mlp_ratio": _number,
+    "in_channels": SIZE, "in_chans": SIZE, "mlp_ratio": _number, "spatial_merge_size": SIZE, "out_hidden_size": SIZE,
     # diffusion transformers
     "attention_head_dim": SIZE, "num_layers": SIZE, "num_single_layers": SIZE, "ffn_dim": SIZE,
     "freq_dim": SIZE, "text_dim": SIZE, "joint_attention_dim": SIZE, "pooled_projection_dim": SIZE,

@@ -35,15 +35,18 @@ class Family:
     down: str
     layout: str = "out_in"
     interleaved: bool = False
+    router: str = r"mlp\.gate"  # the router's module, an [experts, hidden] weight served as a linear's
 
 
 FAMILIES = {
     # transformers 4 named Qwen3-MoE's experts mlp.experts.{e}.gate_proj ...; 5 stacks them in mlp.experts
     "qwen3_moe": Family("moe_intermediate_size", r"mlp\.experts", "gate_proj", "up_proj", "down_proj"),
     # Mixtral's were block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down)
-    "mixtral": Family("intermediate_size", r"block_sparse_moe\.experts", "w1", "w3", "w2"),
+    "mixtral": Family("intermediate_size", r"block_sparse_moe\.experts", "w1", "w3", "w2",
+                      router=r"(?:mlp|block_sparse_moe)\.gate"),
     # gpt-oss has only ever stacked them, as [E, in, out], gate and up interleaved
-    "gpt_oss": Family("intermediate_size", r"mlp\.experts", "gate_proj", "up_proj", "down_proj", "in_out", True),
+    "gpt_oss": Family("intermediate_size", r"mlp\.experts", "gate_proj", "up_proj", "down_proj", "in_out", True,
+                      r"mlp\.router"),
 }
 # The expert count's names: the Hub's Qwen3-MoE configs say num_experts, Mixtral's, gpt-oss's and every
 # family's saved by transformers 5 num_local_experts. Any family's config may carry either.
@@ -66,7 +69,7 @@ def expert_count(config: Mapping[str, Any]) -> int:
 
 def moe_specs(config: Mapping[str, Any], family: str, *, max_rank: int, max_expert_rank: int | None = None,
               **kw: Any) -> dict[str, LoraSpec]:
-    """The "language_model" node (attention) and the "experts" node of a mixture-of-experts decoder."""
+    """The "language_model" node (attention and the router) and the "experts" node of a mixture-of-experts decoder."""
     f = FAMILIES[family]
     if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
         raise ValueError("layers with a dense MLP beside the expert layers are not served yet")
@@ -75,8 +78,9 @@ def moe_specs(config: Mapping[str, Any], family: str, *, max_rank: int, max_expe
     keys = MoeKeys()
     attention = {n: t for n, t in lm_targets({**config, "intermediate_size": inter}).items()
                  if n in ("qkv_proj", "o_proj")}
-    lm = LoraSpec(attention, max_rank, patterns=tuple(p for p in lm_patterns(False) if p[1] in attention),
-                  name="language_model", convert_keys=keys, **kw)
+    attention["router"] = LoraTarget(layers, hidden, (count,), "replicated")
+    patterns = (*(p for p in lm_patterns(False) if p[1] in attention), (LAYER + f.router, "router", None))
+    lm = LoraSpec(attention, max_rank, patterns=patterns, name="language_model", convert_keys=keys, **kw)
     experts = Experts(count, f.layout, f.interleaved)  # type: ignore[arg-type]
     targets = {
         "experts_gate_up": LoraTarget(layers, hidden, (inter,) * (2 * count), "column", experts=experts),

@@ -15,9 +15,9 @@ VISION_PREFIX = r"(?:model\.visual|visual)"
 
 
 def vision_spec(vision: Mapping[str, Any], *, swiglu: bool, **kw: Any) -> LoraSpec:
-    """The tower's blocks (fused qkv column by heads, proj row, MLP column then row) and its
-    patch embedding, a Conv3d whose kernel is its stride, replicated on every rank. Qwen2.5-VL's
-    blocks have a gated MLP (swiglu) where Qwen2-VL's have fc1 / fc2."""
+    """The tower's blocks (fused qkv column by heads, proj row, MLP column then row), its
+    patch embedding, a Conv3d whose kernel is its stride, and the merger's two linears, replicated
+    on every rank. Qwen2.5-VL's blocks have a gated MLP (swiglu) where Qwen2-VL's have fc1 / fc2."""
     dim = vision["hidden_size"] if swiglu else vision["embed_dim"]
     depth, heads = vision["depth"], vision["num_heads"]
     kernel = (vision.get("temporal_patch_size", 2), vision["patch_size"], vision["patch_size"])
@@ -33,6 +33,13 @@ def vision_spec(vision: Mapping[str, Any], *, swiglu: bool, **kw: Any) -> LoraSp
         (block + r"attn\.proj", "proj", None),
         (VISION_PREFIX + r"\.patch_embed\.proj", "patch_embed", None),
     ]
+    # The merger's MLP, once after the blocks: its input is spatial_merge_size**2 patches' features side by side.
+    merged = dim * vision.get("spatial_merge_size", 2) ** 2
+    merged_out = vision["out_hidden_size"] if swiglu else vision["hidden_size"]
+    targets["merger_fc1"] = LoraTarget(1, merged, (merged,), "replicated")
+    targets["merger_fc2"] = LoraTarget(1, merged, (merged_out,), "replicated")
+    patterns += [(VISION_PREFIX + r"\.merger\.mlp\.0", "merger_fc1", None),
+                 (VISION_PREFIX + r"\.merger\.mlp\.2", "merger_fc2", None)]
     if swiglu:
         inter = vision["intermediate_size"]
         targets["gate_up_proj"] = LoraTarget(depth, dim, (inter, inter), "column")

@@ -57,8 +57,12 @@ class Plan:
                 return style
         return None
 
-    def parallel(self, name: str) -> Parallel:
-        return style_parallel(self.style(name))
+    def parallel(self, name: str, transposed: bool = False) -> Parallel:
+        """name's sharding. transformers' styles name the weight's dimensions (colwise shards its second
+        last, rowwise its last), so for a stacked expert parameter stored [E, in, out] (Llama 4's gate_up_proj,
+        packed_rowwise) they read the other way round."""
+        parallel = style_parallel(self.style(name))
+        return {"column": "row", "row": "column"}.get(parallel, parallel) if transposed else parallel
 
 
 def default_plan(model: Any) -> dict[str, str]:

@@ -45,13 +45,15 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     """The command's parser, and each subcommand's."""
     p = argparse.ArgumentParser(prog="mstar-lora", description=__doc__, epilog=EXIT_CODES, formatter_class=FORMAT)
     sub = p.add_subparsers(dest="command", required=True)
-    model_help = f"a config.json, a model folder (with its config.json) or a preset: {', '.join(presets())}"
+    model_help = (f"a config.json or a model folder (with its config.json) of any architecture transformers can "
+                  f"build (its spec derived from the model), or a preset: {', '.join(presets())}")
     commands = {}
-    for name, help_ in (("inspect", "what adapters hold, from their headers"),
+    for name, help_ in (("inspect", "what adapters hold, from their headers; with none, the targets the model "
+                                    "serves (name, layers, widths, sharding)"),
                         ("check", "the startup check: every adapter, with its digest")):
         c = sub.add_parser(name, help=help_, description=help_, epilog=EXIT_CODES, formatter_class=FORMAT)
         c.add_argument("model", metavar="MODEL", type=model_argument, help=model_help)
-        c.add_argument("adapters", nargs="+" if name == "inspect" else "*", metavar="ADAPTER",
+        c.add_argument("adapters", nargs="*", metavar="ADAPTER",
                        help="an adapter directory, safetensors file or Hub id, optionally NAME=PATH (a path "
                             "that exists is a path, = and all)")
         c.add_argument("--max-rank", type=positive, default=64, help="the pool's max_rank (default 64)")

@@ -32,6 +32,7 @@ from ..plan import host_bytes
 from ..spec import LoraSpec
 from .cli import UsageError
 from .table import size, table
+from .targets import COLUMNS, target_cells, target_rows
 
 Row = dict[str, Any]
 
@@ -208,6 +209,10 @@ def _json(rows: list[Row]) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     specs = model_specs(args)
+    if not args.adapters:  # the model alone: the targets it serves
+        rows = target_rows(specs)
+        print(_json(rows) if args.json else table([target_cells(r) for r in rows], COLUMNS))
+        return 0
     adapters = named_adapters(args.adapters)
     per_module = args.modules or len(adapters) == 1
     rows = []

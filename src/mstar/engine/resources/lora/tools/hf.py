@@ -56,6 +56,8 @@ class TokenSlots:
 
     def for_tokens(self, node: str, tokens: int) -> torch.Tensor:
         if node == "vision_tower":
+            if tokens and len(self.patches) % tokens == 0 and len(self.patches) > tokens:  # the merger's tokens,
+                return self.patches[:: len(self.patches) // tokens]  # each of consecutive patches of one image
             if len(self.patches) != tokens:
                 raise ValueError(f"{tokens} vision tokens, but slots were given for {len(self.patches)}")
             return self.patches
