@@ -114,3 +114,37 @@ def test_hunyuan_modules_diffusers_converts_wrongly_are_refused_by_name(tmp_path
     spec = specs_from_config(MODELS["hunyuan_video"], max_rank=4)["transformer"]
     with pytest.raises(ValueError, match=rf"module {module.replace('.', '[.]')}: no target of transformer maps it"):
         check_adapter_file(spec, "hy", file)
+
+
+def test_a_peft_dora_adapter_is_refused_naming_the_module(tmp_path):
+    config = MODELS["sd3"]
+    state = peft_state(model(config), use_dora=True, target_modules=["to_q"])
+    pipeline(config).save_lora_weights(tmp_path, transformer_lora_layers=state)
+    spec = specs_from_config(config, max_rank=4)["transformer"]
+    with pytest.raises(ValueError, match=r"module transformer_blocks\.0\.attn\.to_q: a DoRA magnitude"):
+        check_adapter_file(spec, "dora", tmp_path / "pytorch_lora_weights.safetensors")
+
+
+def test_a_config_diffusers_refuses_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"model config: diffusers cannot build SD3Transformer2DModel from it"):
+        specs_from_config({**MODELS["sd3"], "num_attention_heads": "two"}, max_rank=4)
+
+
+def test_trainers_keys_go_where_diffusers_own_conversion_puts_them():
+    """Qwen-Image's kohya keys traced through QwenImagePipeline.lora_state_dict, every factor placed; a
+    conversion that reads values (Flux 2's kohya one bakes alpha / rank into the factors) places none of
+    the modules it reads, so they keep their names and are refused by them."""
+    import diffusers
+    from diffusers.utils import convert_state_dict_to_kohya
+
+    from mstar.engine.resources.lora.models.traced import traced_modules
+
+    state = peft_state(model(MODELS["qwen_image"]))
+    keys = [k for k in convert_state_dict_to_kohya({f"unet.{k}": v for k, v in state.items()}) if "alpha" not in k]
+    placed = traced_modules(diffusers.QwenImagePipeline.lora_state_dict, keys, "transformer.")
+    assert placed["lora_unet_transformer_blocks_1_attn_to_add_out.lora_up.weight"] == \
+        "transformer_blocks.1.attn.to_add_out"
+    assert len(placed) == len(keys)
+    flux2 = ["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight",
+             "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"]
+    assert not traced_modules(diffusers.Flux2Pipeline.lora_state_dict, flux2, "transformer.")

@@ -66,11 +66,6 @@ def meta_model(raw: Mapping[str, Any], source: str) -> nn.Module:
         raise ValueError(f"{source}: diffusers cannot build {name} from it: {str(e)[:200]}") from None
 
 
-def is_diffusers_config(raw: Mapping[str, Any]) -> bool:
-    return (isinstance(raw.get("_class_name"), str) and "_diffusers_version" in raw) or (
-        isinstance(raw.get("_class_name"), str) and "model_type" not in raw)
-
-
 def plan(model: nn.Module) -> dict[str, str]:
     """The tensor-parallel plan, in transformers' form, the rules above give model."""
     modules = dict(model.named_modules())

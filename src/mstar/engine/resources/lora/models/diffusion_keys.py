@@ -103,12 +103,16 @@ def _kohya_names(keys: tuple[str, ...]) -> dict[str, str]:
     the UNet's without a prefix, a text encoder's under its component's name."""
     if not keys:
         return {}
-    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_lora_to_diffusers
-    from diffusers.utils.state_dict_utils import (
-        convert_state_dict_to_diffusers,
-        convert_state_dict_to_peft,
-        convert_unet_state_dict_to_peft,
-    )
+    try:  # diffusers' own SDXL conversion, private to it: tested against diffusers 0.42
+        from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_lora_to_diffusers
+        from diffusers.utils.state_dict_utils import (
+            convert_state_dict_to_diffusers,
+            convert_state_dict_to_peft,
+            convert_unet_state_dict_to_peft,
+        )
+    except ImportError as e:
+        raise ValueError(f"kohya's SDXL keys are read by diffusers' own conversion, which this diffusers lacks "
+                         f"({e})") from None
 
     loras = sorted({k.partition(".")[0] for k in keys})
     stand_in = {f"{lora}.{role}.weight": _Tag(lora) for lora in loras for role in ("lora_down", "lora_up")}

@@ -58,10 +58,40 @@ class Piece:
 
     __rmul__ = __mul__
 
-    def __getattr__(self, name: str) -> Any:  # its shape, its values: what a stand-in cannot say
+    @property
+    def shape(self) -> _Shape:
+        """A shape that may be read (diffusers reads a factor's rank before it knows it needs it) but not used."""
+        return _Shape(self.key)
+
+    def __getattr__(self, name: str) -> Any:  # its values, its size: what a stand-in cannot say
         if name.startswith("__"):
             raise AttributeError(name)
         raise Untraceable(self.__dict__.get("key"))
+
+
+class _Shape:
+    """A stand-in's shape: any of its sizes used in arithmetic ends the trace."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __getitem__(self, i: Any) -> _Size:
+        return _Size(self.key)
+
+    def __len__(self) -> int:
+        raise Untraceable(self.key)
+
+
+class _Size:
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def _used(self, *_: Any) -> Any:
+        raise Untraceable(self.key)
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _used
+    __floordiv__ = __rfloordiv__ = __mod__ = __lt__ = __le__ = __gt__ = __ge__ = __index__ = __int__ = _used
+    __float__ = __bool__ = _used
 
 
 def traced_modules(convert: Callable[[dict[str, Piece]], Mapping[str, Any]], keys: Sequence[str],
