@@ -158,3 +158,14 @@ def test_check_and_inspect_take_the_pipeline_folder_and_name_each_modules_node(t
     assert {n for m, n in nodes.items() if m.startswith("text_encoder.")} == {"text_encoder"}
     assert {n for m, n in nodes.items() if m.startswith("text_encoder_2.")} == {"text_encoder_2"}
     assert sum(m.startswith("text_encoder") for m in nodes) == 24, "every text encoder module is served"
+
+
+def test_kohya_names_the_unet_lacks_are_refused_by_name_not_guessed(tmp_path):
+    file = tmp_path / "odd.safetensors"
+    save_file({"lora_unet_down_blocks_9_attentions_0_proj_in.lora_down.weight": torch.zeros(4, 64),
+               "lora_unet_down_blocks_9_attentions_0_proj_in.lora_up.weight": torch.zeros(64, 4),
+               "lora_unet_.lora_down.weight": torch.zeros(4, 64), "lora_unet_.lora_up.weight": torch.zeros(64, 4)},
+              file)
+    spec = specs_from_config(SDXL_UNET, max_rank=4)["unet"]
+    with pytest.raises(ValueError, match=r"module lora_unet_: no target of unet maps it \(and 1 more modules alike\)"):
+        check_adapter_file(spec, "odd", file)

@@ -116,7 +116,10 @@ def _kohya_names(keys: tuple[str, ...]) -> dict[str, str]:
 
     loras = sorted({k.partition(".")[0] for k in keys})
     stand_in = {f"{lora}.{role}.weight": _Tag(lora) for lora in loras for role in ("lora_down", "lora_up")}
-    converted, _ = _convert_non_diffusers_lora_to_diffusers(stand_in)
+    try:
+        converted, _ = _convert_non_diffusers_lora_to_diffusers(stand_in)
+    except Exception:  # diffusers' refusal of these names: they keep them, and no target maps them
+        return {}
     out: dict[str, str] = {}
     unet = {k.removeprefix("unet."): v for k, v in converted.items() if k.startswith("unet.")}
     for key, lora in convert_unet_state_dict_to_peft(unet).items():
