@@ -123,7 +123,9 @@ def diffusion_spec(model: nn.Module, *, max_rank: int, text_encoders: tuple[str,
         targets[loc.target] = _sliced(targets[loc.target], modules, name, module, loc.slice)
     node = denoiser_node(model)
     names = frozenset(n for n, m in modules.items() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)))
-    keys = DiffusersKeys(node, names, tuple(text_encoders), PIPELINES.get(type(model).__name__))
+    per_block = getattr(getattr(model, "config", None), "layers_per_block", None)
+    keys = DiffusersKeys(node, names, tuple(text_encoders), PIPELINES.get(type(model).__name__),
+                         per_block if node == "unet" and isinstance(per_block, int) else None)
     return dataclasses.replace(spec, targets=targets, name=node, convert_keys=keys,
                                patterns=spec.patterns + _joined(spec))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from ..keys import PEFT_PREFIX, split_key, trainer_key
 
@@ -36,10 +37,11 @@ class DiffusersKeys:
     names: frozenset[str]
     text_encoders: tuple[str, ...] = ()
     pipeline: str | None = None  # the diffusers pipeline whose lora_state_dict converts its trainers' layouts
+    layers_per_block: int | None = None  # a UNet's, which places kohya's SGM block names (input_blocks_4_1_...)
 
     def __call__(self, keys: Sequence[str]) -> dict[str, tuple[str, str]]:
         kohya = {} if self.node != "unet" else _kohya_names(
-            tuple(k for k in keys if k.startswith(("lora_unet_", *KOHYA_TEXT))))
+            tuple(k for k in keys if k.startswith(("lora_unet_", *KOHYA_TEXT))), self.layers_per_block)
         traced = self._traced(tuple(keys))
         out = {}
         for key in keys:
@@ -98,13 +100,18 @@ def _traced(pipeline: str, keys: tuple[str, ...], node: str) -> dict[str, str]:
 
 
 @functools.lru_cache(maxsize=64)
-def _kohya_names(keys: tuple[str, ...]) -> dict[str, str]:
+def _kohya_names(keys: tuple[str, ...], layers_per_block: int | None = None) -> dict[str, str]:
     """Each kohya module name (lora_unet_..., lora_te1_...) of keys as diffusers' SDXL loader converts it:
-    the UNet's without a prefix, a text encoder's under its component's name."""
+    the UNet's without a prefix, a text encoder's under its component's name; SGM's block names (kohya's
+    sd-scripts train SDXL on SGM's UNet: input_blocks_4_1_...) placed first by the UNet's layers_per_block,
+    as the loader does with the UNet's config."""
     if not keys:
         return {}
     try:  # diffusers' own SDXL conversion, private to it: tested against diffusers 0.42
-        from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_lora_to_diffusers
+        from diffusers.loaders.lora_conversion_utils import (
+            _convert_non_diffusers_lora_to_diffusers,
+            _maybe_map_sgm_blocks_to_diffusers,
+        )
         from diffusers.utils.state_dict_utils import (
             convert_state_dict_to_diffusers,
             convert_state_dict_to_peft,
@@ -117,6 +124,8 @@ def _kohya_names(keys: tuple[str, ...]) -> dict[str, str]:
     loras = sorted({k.partition(".")[0] for k in keys})
     stand_in = {f"{lora}.{role}.weight": _Tag(lora) for lora in loras for role in ("lora_down", "lora_up")}
     try:
+        if layers_per_block is not None:
+            stand_in = _maybe_map_sgm_blocks_to_diffusers(stand_in, SimpleNamespace(layers_per_block=layers_per_block))
         converted, _ = _convert_non_diffusers_lora_to_diffusers(stand_in)
     except Exception:  # diffusers' refusal of these names: they keep them, and no target maps them
         return {}
