@@ -74,3 +74,44 @@ def sdxl_folder(path: Path, text_encoders: bool = True) -> Path:
     index = {"_class_name": "StableDiffusionXLPipeline", "_diffusers_version": diffusers.__version__, **components}
     (path / "model_index.json").write_text(json.dumps(index))
     return path
+
+
+# Each transformer's pipeline, whose LoRA loader reads its files.
+PIPELINES = {"SD3Transformer2DModel": "StableDiffusion3Pipeline", "Flux2Transformer2DModel": "Flux2Pipeline",
+             "QwenImageTransformer2DModel": "QwenImagePipeline",
+             "HunyuanVideoTransformer3DModel": "HunyuanVideoPipeline", "LTXVideoTransformer3DModel": "LTXPipeline"}
+
+
+def peft_state(module: torch.nn.Module, seed: int = 1, **lora) -> dict[str, torch.Tensor]:
+    """PEFT's adapter injected into module (every linear by default), its factors random: its state dict."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.utils import get_peft_model_state_dict
+
+    lora.setdefault("target_modules", "all-linear")
+    lora.setdefault("r", 4)
+    lora.setdefault("lora_alpha", 4)
+    inject_adapter_in_model(LoraConfig(**lora), module)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return get_peft_model_state_dict(module)
+
+
+def pipeline(config: dict):
+    import diffusers
+
+    return getattr(diffusers, PIPELINES[config["_class_name"]])
+
+
+def diffusers_loaded(config: dict, file: Path) -> torch.nn.Module:
+    """A fresh tiny transformer with file loaded as config's pipeline loads a LoRA into it."""
+    from inspect import signature
+
+    transformer, pipe = model(config), pipeline(config)
+    state, metadata = pipe.lora_state_dict(str(file), return_lora_metadata=True)
+    extra = {"network_alphas": None} if "network_alphas" in signature(pipe.load_lora_into_transformer).parameters \
+        else {}
+    pipe.load_lora_into_transformer(state, transformer=transformer, metadata=metadata, **extra)
+    return transformer

@@ -158,3 +158,66 @@ def test_check_and_inspect_take_the_pipeline_folder_and_name_each_modules_node(t
     assert {n for m, n in nodes.items() if m.startswith("text_encoder.")} == {"text_encoder"}
     assert {n for m, n in nodes.items() if m.startswith("text_encoder_2.")} == {"text_encoder_2"}
     assert sum(m.startswith("text_encoder") for m in nodes) == 24, "every text encoder module is served"
+
+
+def test_kohya_names_the_unet_lacks_are_refused_by_name_not_guessed(tmp_path):
+    file = tmp_path / "odd.safetensors"
+    save_file({"lora_unet_down_blocks_9_attentions_0_proj_in.lora_down.weight": torch.zeros(4, 64),
+               "lora_unet_down_blocks_9_attentions_0_proj_in.lora_up.weight": torch.zeros(64, 4),
+               "lora_unet_.lora_down.weight": torch.zeros(4, 64), "lora_unet_.lora_up.weight": torch.zeros(64, 4)},
+              file)
+    spec = specs_from_config(SDXL_UNET, max_rank=4)["unet"]
+    with pytest.raises(ValueError, match=r"module lora_unet_: no target of unet maps it \(and 1 more modules alike\)"):
+        check_adapter_file(spec, "odd", file)
+
+
+def sgm_name(kohya: str, per_block: int = SDXL_UNET["layers_per_block"]) -> str:
+    """A diffusers-named kohya module (lora_unet_down_blocks_1_attentions_0_...) under SGM's block names, as
+    kohya's sd-scripts write SDXL's: the inverse of the rules diffusers' _maybe_map_sgm_blocks_to_diffusers and
+    _convert_unet_lora_key read them by."""
+    import re
+
+    name = kohya.removeprefix("lora_unet_")
+    resnet = {"conv1": "in_layers_2", "conv2": "out_layers_3", "time_emb_proj": "emb_layers_1",
+              "conv_shortcut": "skip_connection"}
+    top = {"conv_in": "input_blocks_0_0", "conv_out": "out_2", "time_embedding_linear_1": "time_embed_0",
+           "time_embedding_linear_2": "time_embed_2", "add_embedding_linear_1": "label_emb_0_0",
+           "add_embedding_linear_2": "label_emb_0_2"}
+    if name in top:
+        return "lora_unet_" + top[name]
+    m = re.fullmatch(r"(down|up)_blocks_(\d+)_(resnets|attentions|downsamplers|upsamplers)_(\d+)_(.+)", name)
+    mid = re.fullmatch(r"mid_block_(resnets|attentions)_(\d+)_(.+)", name)
+    if mid:
+        kind, i, rest = mid.groups()
+        block = {"resnets": {"0": 0, "1": 2}, "attentions": {"0": 1}}[kind][i]
+        return f"lora_unet_middle_block_{block}_{resnet.get(rest, rest)}"
+    side, b, kind, i, rest = m.groups()
+    b, i = int(b), int(i)
+    if kind == "downsamplers":
+        return f"lora_unet_input_blocks_{b * (per_block + 1) + per_block + 1}_0_op"
+    if kind == "upsamplers":
+        return f"lora_unet_output_blocks_{b * (per_block + 1) + per_block}_2_{rest}"
+    inner = {"resnets": 0, "attentions": 1}[kind]
+    index = b * (per_block + 1) + i + (1 if side == "down" else 0)
+    return f"lora_unet_{'input' if side == 'down' else 'output'}_blocks_{index}_{inner}_{resnet.get(rest, rest)}"
+
+
+def test_sgm_block_names_as_kohyas_sdxl_scripts_write_them_match_diffusers(tmp_path):
+    """The same weights under SGM's names load into the same modules in diffusers (with the UNet's config), and
+    the pool serves them there, alpha and all."""
+    file = kohya_file(tmp_path / "kohya.safetensors")
+    tensors = load_file(file)
+    sgm = {f"{sgm_name(k.partition('.')[0])}.{k.partition('.')[2]}": v for k, v in tensors.items()}
+    assert len(sgm) == len(tensors) and any("input_blocks_3_1_transformer" in k for k in sgm)
+    save_file(sgm, tmp_path / "sgm.safetensors")
+    loaded = lora_modules(diffusers_unet(tmp_path / "sgm.safetensors"))
+    add = {"add_embedding.linear_1", "add_embedding.linear_2"}  # diffusers drops them but for SGM's label_emb
+    assert set(loaded) == set(lora_modules(diffusers_unet(file))) | add, "SGM's names read as the same modules"
+    spec = specs_from_config(SDXL_UNET, max_rank=4)["unet"]
+    adapter = read({"unet": spec}, tmp_path / "sgm.safetensors")["unet"]
+    assert adapter.digest == read({"unet": spec}, file)["unet"].digest, "the same modules, weights and scalings"
+    g = torch.Generator().manual_seed(0)
+    for module, layer in loaded.items():
+        x = patch_input(layer, g)
+        got = slot_delta(adapter.a, adapter.b, adapter.scaling, spec, module, x.flatten(1))
+        torch.testing.assert_close(got, loaded_delta(layer, x), rtol=1e-4, atol=1e-6, msg=module)

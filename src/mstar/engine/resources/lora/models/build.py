@@ -79,9 +79,10 @@ def specs_from_config(
         _positive("max_expert_rank", max_expert_rank)
     kw = {"max_rank": max_rank, "capacity": capacity, "adapters": adapters, "dtype": dtype}
     if _is_pipeline(config):  # a diffusers pipeline's folder: its denoiser and text encoders
-        from .pipeline import pipeline_specs
+        from .pipeline import denoiser_config, with_text_encoders
 
-        return pipeline_specs(config, **kw)
+        denoiser = specs_from_config(denoiser_config(config), max_expert_rank=max_expert_rank, **kw)
+        return with_text_encoders(config, denoiser, **kw)
     raw, source = read_model_config(config)
     try:
         kind = model_type(CheckedConfig(raw, source))

@@ -15,6 +15,7 @@ parallel block's output, which reads attention and MLP outputs concatenated) is 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,10 @@ from .derived import specs_from_model
 from .diffusion_keys import DiffusersKeys
 from .sites import sites
 
+# Each denoiser's pipeline, whose lora_state_dict converts its trainers' layouts (traced.py).
+PIPELINES = {"SD3Transformer2DModel": "StableDiffusion3Pipeline", "Flux2Transformer2DModel": "Flux2Pipeline",
+             "QwenImageTransformer2DModel": "QwenImagePipeline",
+             "HunyuanVideoTransformer3DModel": "HunyuanVideoPipeline", "LTXVideoTransformer3DModel": "LTXPipeline"}
 FUSED = (("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_proj"))
 QKV = {"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"}
 OUT = {"to_out.0", "to_add_out"}
@@ -59,11 +64,6 @@ def meta_model(raw: Mapping[str, Any], source: str) -> nn.Module:
             return cls.from_config(fields)
     except Exception as e:  # diffusers' own validation, whatever it raises
         raise ValueError(f"{source}: diffusers cannot build {name} from it: {str(e)[:200]}") from None
-
-
-def is_diffusers_config(raw: Mapping[str, Any]) -> bool:
-    return (isinstance(raw.get("_class_name"), str) and "_diffusers_version" in raw) or (
-        isinstance(raw.get("_class_name"), str) and "model_type" not in raw)
 
 
 def plan(model: nn.Module) -> dict[str, str]:
@@ -123,8 +123,23 @@ def diffusion_spec(model: nn.Module, *, max_rank: int, text_encoders: tuple[str,
         targets[loc.target] = _sliced(targets[loc.target], modules, name, module, loc.slice)
     node = denoiser_node(model)
     names = frozenset(n for n, m in modules.items() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)))
-    keys = DiffusersKeys(node, names, tuple(text_encoders))
-    return dataclasses.replace(spec, targets=targets, name=node, convert_keys=keys)
+    per_block = getattr(getattr(model, "config", None), "layers_per_block", None)
+    keys = DiffusersKeys(node, names, tuple(text_encoders), PIPELINES.get(type(model).__name__),
+                         per_block if node == "unet" and isinstance(per_block, int) else None)
+    return dataclasses.replace(spec, targets=targets, name=node, convert_keys=keys,
+                               patterns=spec.patterns + _joined(spec))
+
+
+def _joined(spec: LoraSpec) -> tuple[tuple[str, str, None], ...]:
+    """A pattern for each fused target's members named as one module (transformer_blocks.0.attn.to_q+to_k+to_v),
+    as a fused projection split among them by diffusers' conversion reads (traced.py): every slice, in order."""
+    out = []
+    for name in spec.targets:
+        leaves = name.rpartition(".")[2].split("+")
+        first = [r for r, t, s in spec.patterns if t == name and s == 0]
+        if len(leaves) > 1 and first:
+            out.append((first[0] + "".join(re.escape("+" + leaf) for leaf in leaves[1:]), name, None))
+    return tuple(out)
 
 
 def _sliced(t: LoraTarget, modules: Mapping[str, nn.Module], name: str, module: nn.Linear,

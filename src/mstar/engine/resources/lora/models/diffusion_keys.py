@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from ..keys import PEFT_PREFIX, split_key, trainer_key
 
@@ -35,12 +36,20 @@ class DiffusersKeys:
     node: str
     names: frozenset[str]
     text_encoders: tuple[str, ...] = ()
+    pipeline: str | None = None  # the diffusers pipeline whose lora_state_dict converts its trainers' layouts
+    layers_per_block: int | None = None  # a UNet's, which places kohya's SGM block names (input_blocks_4_1_...)
 
     def __call__(self, keys: Sequence[str]) -> dict[str, tuple[str, str]]:
-        kohya = _kohya_names(tuple(k for k in keys if k.startswith(("lora_unet_", *KOHYA_TEXT))))
+        kohya = {} if self.node != "unet" else _kohya_names(
+            tuple(k for k in keys if k.startswith(("lora_unet_", *KOHYA_TEXT))), self.layers_per_block)
+        traced = self._traced(tuple(keys))
         out = {}
         for key in keys:
             lora, _, _ = key.partition(".")
+            source, role = split_key(key)
+            if source in traced:
+                out[key] = (traced[source], role)
+                continue
             if lora in kohya:
                 module, role = kohya[lora], split_key(key)[1]
                 if text_encoder_of(module) is None and module not in self.names:
@@ -52,6 +61,16 @@ class DiffusersKeys:
                 role = "text_encoder"
             out[key] = (module, role)
         return out
+
+    def _traced(self, keys: tuple[str, ...]) -> dict[str, str]:
+        """Each source module (as split_key names it) the pipeline's own conversion places on modules of this
+        model (or fuses over siblings of it)."""
+        if self.pipeline is None:
+            return {}
+        modules = _traced(self.pipeline, keys, self.node)
+        return {split_key(k)[0]: m for k, m in modules.items()
+                if all(f"{m.rpartition('.')[0]}.{leaf}".lstrip(".") in self.names
+                       for leaf in m.rpartition(".")[2].split("+"))}
 
     def _diffusers(self, key: str) -> tuple[str, str]:
         bare = key.removeprefix(PEFT_PREFIX)
@@ -72,21 +91,44 @@ class DiffusersKeys:
 
 
 @functools.lru_cache(maxsize=64)
-def _kohya_names(keys: tuple[str, ...]) -> dict[str, str]:
+def _traced(pipeline: str, keys: tuple[str, ...], node: str) -> dict[str, str]:
+    import diffusers
+
+    from .traced import traced_modules
+
+    return traced_modules(getattr(diffusers, pipeline).lora_state_dict, keys, f"{node}.") or {}
+
+
+@functools.lru_cache(maxsize=64)
+def _kohya_names(keys: tuple[str, ...], layers_per_block: int | None = None) -> dict[str, str]:
     """Each kohya module name (lora_unet_..., lora_te1_...) of keys as diffusers' SDXL loader converts it:
-    the UNet's without a prefix, a text encoder's under its component's name."""
+    the UNet's without a prefix, a text encoder's under its component's name; SGM's block names (kohya's
+    sd-scripts train SDXL on SGM's UNet: input_blocks_4_1_...) placed first by the UNet's layers_per_block,
+    as the loader does with the UNet's config."""
     if not keys:
         return {}
-    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_lora_to_diffusers
-    from diffusers.utils.state_dict_utils import (
-        convert_state_dict_to_diffusers,
-        convert_state_dict_to_peft,
-        convert_unet_state_dict_to_peft,
-    )
+    try:  # diffusers' own SDXL conversion, private to it: tested against diffusers 0.42
+        from diffusers.loaders.lora_conversion_utils import (
+            _convert_non_diffusers_lora_to_diffusers,
+            _maybe_map_sgm_blocks_to_diffusers,
+        )
+        from diffusers.utils.state_dict_utils import (
+            convert_state_dict_to_diffusers,
+            convert_state_dict_to_peft,
+            convert_unet_state_dict_to_peft,
+        )
+    except ImportError as e:
+        raise ValueError(f"kohya's SDXL keys are read by diffusers' own conversion, which this diffusers lacks "
+                         f"({e})") from None
 
     loras = sorted({k.partition(".")[0] for k in keys})
     stand_in = {f"{lora}.{role}.weight": _Tag(lora) for lora in loras for role in ("lora_down", "lora_up")}
-    converted, _ = _convert_non_diffusers_lora_to_diffusers(stand_in)
+    try:
+        if layers_per_block is not None:
+            stand_in = _maybe_map_sgm_blocks_to_diffusers(stand_in, SimpleNamespace(layers_per_block=layers_per_block))
+        converted, _ = _convert_non_diffusers_lora_to_diffusers(stand_in)
+    except Exception:  # diffusers' refusal of these names: they keep them, and no target maps them
+        return {}
     out: dict[str, str] = {}
     unet = {k.removeprefix("unet."): v for k, v in converted.items() if k.startswith("unet.")}
     for key, lora in convert_unet_state_dict_to_peft(unet).items():

@@ -17,7 +17,7 @@ from ..spec import LoraSpec
 from . import meta
 from .derived import specs_from_model
 from .diffusion import diffusion_spec, meta_model
-from .diffusion_keys import TEXT_ENCODERS
+from .diffusion_keys import TEXT_ENCODERS, DiffusersKeys
 
 INDEX = "model_index.json"
 DENOISERS = ("unet", "transformer")
@@ -30,17 +30,28 @@ def is_pipeline(config: Any) -> bool:
         return False
 
 
-def pipeline_specs(folder: str | Path, **kw: Any) -> dict[str, LoraSpec]:
-    """Each node of the pipeline in folder: its denoiser's, then its text encoders'."""
-    folder = Path(folder)
-    found = [d for d in DENOISERS if (folder / d / "config.json").is_file()]
+def denoiser_config(folder: str | Path) -> Path:
+    """The pipeline's denoiser's config file."""
+    found = [Path(folder) / d / "config.json" for d in DENOISERS if (Path(folder) / d / "config.json").is_file()]
     if not found:
         raise ValueError(f"diffusers pipeline {folder}: neither unet/config.json nor transformer/config.json")
-    texts = [t for t in TEXT_ENCODERS if (folder / t / "config.json").is_file()]
-    source = str(folder / found[0] / "config.json")
-    raw = _read(source)
-    specs = {found[0]: diffusion_spec(meta_model(raw, source), text_encoders=tuple(texts), **kw)}
-    keys = specs[found[0]].convert_keys
+    return found[0]
+
+
+def with_text_encoders(folder: str | Path, denoiser: dict[str, LoraSpec], **kw: Any) -> dict[str, LoraSpec]:
+    """The denoiser's nodes (its own builder's or derived), then one per text encoder the folder has, each
+    derived from the transformers model its config builds; the derived denoiser then reads those encoders'
+    keys as theirs, where without them it refuses them by name."""
+    folder = Path(folder)
+    texts = tuple(t for t in TEXT_ENCODERS if (folder / t / "config.json").is_file())
+    node, spec = next(iter(denoiser.items()))
+    keys = spec.convert_keys
+    if isinstance(keys, DiffusersKeys):
+        keys = dataclasses.replace(keys, text_encoders=texts)
+        denoiser = {**denoiser, node: dataclasses.replace(spec, convert_keys=keys)}
+    else:  # a hand-written builder's conversion: the encoders' nodes read their own keys
+        keys = DiffusersKeys(node, frozenset(), texts)
+    specs = dict(denoiser)
     for text in texts:
         source = str(folder / text / "config.json")
         specs[text] = text_encoder_spec(meta.meta_model(_read(source), source), text, keys, **kw)
