@@ -48,6 +48,8 @@ TESTS: dict[str, tuple[str, ...]] = {
     "check.py": (f"{T}check.py", f"{T}config_scope.py", f"{T}refusal_messages.py", f"{T}hostile_adapters.py",
                  f"{T}integrity.py", f"{T}numerics.py"),
     "experts.py": (f"{T}experts.py", f"{T}expert_folds.py", f"{T}expert_configs.py", f"{T}experts_transformers4.py"),
+    **{f"models/{m}.py": (f"{T}derived_rules.py", f"{T}derived_builders.py", f"{T}derived_sweep.py")
+       for m in ("sites", "rules", "derived")},
 }
 
 M = Mutant
@@ -354,4 +356,25 @@ MUTANTS: list[Mutant] = [
       "stacked experts at the experts' max_rank are refused"),
     M("experts.widths-one-slice", "experts.py", "return t.in_features, per * t.out_features[0]",
       "return t.in_features, t.out_features[0]", "an expert's output spans one slice, not gate and up"),
+    # --- the spec derived from the model (issue 25) ---
+    M("sites.interleave-flipped", "models/sites.py", 'gated and not getattr(module, "is_concatenated", True)',
+      'gated and getattr(module, "is_concatenated", True)', "gate and up read interleaved where concatenated"),
+    M("sites.transposed-ignored", "models/sites.py", 'return "in_out" if marked else "out_in"', 'return "out_in"',
+      "experts marked is_transposed read as [E, out, in]"),
+    M("sites.down-side-flipped", "models/sites.py", "(d2 == hidden) != down", "(d2 == hidden)",
+      "an unmarked down projection's input taken for its output"),
+    M("rules.kv-heads-are-query-heads", "models/rules.py",
+      'n = field(config, "num_key_value_heads", "num_kv_heads", "n_head_kv") or q', "n = q",
+      "k and v shard by the query's heads, not replicating KV heads past their count"),
+    M("rules.transposed-styles-not-swapped", "models/rules.py",
+      'return {"column": "row", "row": "column"}.get(parallel, parallel) if transposed else parallel',
+      "return parallel", "a plan's style on [E, in, out] experts read as on a linear's weight"),
+    M("rules.packed-sliced-by-guess", "models/rules.py", "if q and head_dim and width == (q + 2 * kv) * head_dim:",
+      "if q and head_dim:", "a qkv linear split into q, k, v whatever its width"),
+    M("derived.some-layers-as-all", "models/derived.py", "        ids = layers\n", "        ids = None\n",
+      "a target on some layers laid out as if on every one"),
+    M("derived.fuse-apart-sharded", "models/derived.py", "(s.prefix, s.parent, g.layers, s.in_features, g.parallel)",
+      "(s.prefix, s.parent, g.layers, s.in_features)", "siblings the plan shards apart fused into one target"),
+    M("derived.keys-nesting-reversed", "models/derived.py", "params[len(params) - 1 - depth]", "params[depth]",
+      "PEFT's nested wrappers read outermost first: gate_up's factors as down's"),
 ]

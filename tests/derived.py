@@ -77,6 +77,10 @@ def all_linear_adapter(tmp: Path, model: torch.nn.Module, name: str = "ad", seed
     return pm.eval(), tmp / name
 
 
+# Experts classes that store [E, in, out] without saying so: Llama 4's forward is bmm(x, gate_up_proj).
+UNMARKED_TRANSPOSED = {"Llama4TextExperts"}
+
+
 def peft_deltas(pm: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Each LoRA layer's delta weight as PEFT computes it, as a linear's [out, in] (a conv's flattened), by the
     name a checkpoint gives it: a stacked parameter's LoRA named module.parameter (as WrappedKeys reads it),
@@ -96,9 +100,10 @@ def peft_deltas(pm: torch.nn.Module) -> dict[str, torch.Tensor]:
                 name = name.removesuffix(".base_layer")
             name = f"{name}.{m.parameter_name}"
             experts = m.get_base_layer()
-            if experts.is_transposed:
+            if getattr(experts, "is_transposed", type(experts).__name__ in UNMARKED_TRANSPOSED):
                 delta = delta.transpose(1, 2)
-            if "gate_up" in m.parameter_name and experts.has_gate and not experts.is_concatenated:
+            gated = getattr(experts, "has_gate", True)
+            if "gate_up" in m.parameter_name and gated and not getattr(experts, "is_concatenated", True):
                 delta = torch.cat([delta[:, 0::2], delta[:, 1::2]], 1)
         out[name] = delta.flatten(1) if delta.dim() > 2 and not isinstance(m, ParamWrapper) else delta
     return out

@@ -6,8 +6,9 @@ import torch
 
 from mstar.engine.resources.lora.spec import LoraSpec
 
-VISION_MODULES = ["qkv", "attn.proj", "fc1", "fc2", "patch_embed.proj"]
-VISION_25_MODULES = ["qkv", "attn.proj", "gate_proj", "up_proj", "down_proj", "patch_embed.proj"]
+VISION_MODULES = ["qkv", "attn.proj", "fc1", "fc2", "patch_embed.proj", "merger.mlp.0", "merger.mlp.2"]
+VISION_25_MODULES = ["qkv", "attn.proj", "gate_proj", "up_proj", "down_proj", "patch_embed.proj", "merger.mlp.0",
+                     "merger.mlp.2"]
 
 
 def slot_delta(a: torch.Tensor, b: torch.Tensor, scaling: float, spec: LoraSpec, module: str, x: torch.Tensor,

@@ -62,10 +62,10 @@ def test_vision_adapter_accepted_only_with_the_vision_spec_among_others(tmp_path
     _, path = make_adapter(tmp_path, "qwen2_vl", target_modules=LM_TARGETS + VISION_MODULES)
     specs = specs_from_config(model_config("qwen2_vl"), max_rank=8)
     lm, vision = specs["language_model"], specs["vision_tower"]
-    assert adapter_targets(vision, path) == {"qkv", "proj", "fc1", "fc2", "patch_embed"}
+    assert adapter_targets(vision, path) == {"qkv", "proj", "fc1", "fc2", "patch_embed", "merger_fc1", "merger_fc2"}
     assert "model.visual.patch_embed.proj" in inspect_adapter(lm, path).unmapped
     refused(lm, path, r"module model\.visual\.blocks\.0\.attn\.proj: no target of language_model maps it "
-                      r"\(and 8 more modules alike\)")
+                      r"\(and 10 more modules alike\)")
     assert check_adapter_file(lm, "ad", path, [vision]) == check_adapter_file(vision, "ad", path, [lm])
 
 
