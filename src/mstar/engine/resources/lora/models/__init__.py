@@ -19,6 +19,10 @@ _BUILT = ("BUILDERS", "specs_from_config", "specs_from_model")
 
 
 def __getattr__(name: str) -> Any:
+    if name == "specs_from_model":  # the derivation imports torch and transformers
+        from .derived import specs_from_model
+
+        return specs_from_model
     if name in _BUILT:
         from . import build
 
