@@ -167,7 +167,7 @@ def test_kohya_names_the_unet_lacks_are_refused_by_name_not_guessed(tmp_path):
                "lora_unet_.lora_down.weight": torch.zeros(4, 64), "lora_unet_.lora_up.weight": torch.zeros(64, 4)},
               file)
     spec = specs_from_config(SDXL_UNET, max_rank=4)["unet"]
-    with pytest.raises(ValueError, match=r"module lora_unet_: no target of unet maps it \(and 1 more modules alike\)"):
+    with pytest.raises(ValueError, match=r"module lora_unet_: no target of unet maps it \(and 1 more module alike\)"):
         check_adapter_file(spec, "odd", file)
 
 
