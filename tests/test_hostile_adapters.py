@@ -7,7 +7,7 @@ import json
 
 import torch
 from diffusion import WAN
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 from tiny import model_config
@@ -47,6 +47,8 @@ tensors = st.lists(st.tuples(st.builds(str.__add__, modules, suffixes), small,
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tensors, st.booleans())
+@example([("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", (), torch.float32),  # scalars, under
+          ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", (), torch.float32)], True)  # a config
 def test_check_and_read_answer_any_small_file(tmp_path, entries, with_config):
     path = tmp_path / "ad"
     path.mkdir(exist_ok=True)

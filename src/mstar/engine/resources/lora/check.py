@@ -116,8 +116,8 @@ def _inspect(spec: LoraSpec, modules: dict[str, ModuleKeys], shape: Callable[[An
             if key not in judged:
                 judged[key] = misfit_at(spec, loc, a, b)
             why = judged[key]
-            if why is not None and config is not None and as_linear(a)[0] != as_linear(b)[1]:
-                why = misfit_at(spec, loc, a, b, config, module)  # which factor disagrees is the module's r
+            if why is not None and config is not None:  # a misfit's words may name the module's own r
+                why = misfit_at(spec, loc, a, b, config, module)
         if why:
             misfits[module] = why
         elif loc is None:
