@@ -106,3 +106,41 @@ def test_every_rank_reaches_the_same_verdict_however_warm_its_caches(many_module
 def test_the_readme_states_the_bounds_measured_here():
     readme = " ".join((TESTS.parent / "README.md").read_text().split())
     assert f"peaks under {PEAK_MB} MB" in readme and f"keeps under {KEPT_MB} MB" in readme
+
+
+# Keys cheap to match but, before, costly to build: a class of 1,000 literals repeated 4,000 times (each copy its
+# own 1,000 tests, asked of every character: 25 s and +1 GB on 21 modules), and an empty group repeated 10^8
+# times (50 s of building nothing, each time the config was read; (?:){4294967294} would be 35 minutes).
+WIDE_CLASS = "[" + "".join(chr(0x4E00 + i) for i in range(1000)) + "]{4000}0"
+EMPTY_REPEATS = r".*\.(?:){100000000}q_proj"
+
+
+@pytest.mark.parametrize("fields", [{"rank_pattern": {WIDE_CLASS: 4}, "alpha_pattern": {WIDE_CLASS: 4}},
+                                    {"target_modules": EMPTY_REPEATS}], ids=["wide-class", "empty-repeats"])
+def test_keys_cheap_to_match_are_cheap_to_build(many_modules, fields):
+    """Served as PEFT serves them (none of these names matches the class; the empty repeats take q_proj), in a
+    child that must finish within a minute at under the README's peak: a class is one test however often the
+    pattern repeats it, and a repeat of nothing is built once."""
+    _, path = many_modules
+    path = with_config(path, **fields)
+    code = f"""
+import gc, sys
+sys.path.insert(0, {str(TESTS)!r})
+from tiny import model_config
+from mstar.engine.resources.lora import inspect_adapter, specs_from_config
+spec = specs_from_config(model_config("llama", num_hidden_layers={LAYERS}), max_rank=8)["language_model"]
+def status(field):
+    return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1]) // 1024
+gc.collect()
+open("/proc/self/clear_refs", "w").write("5")
+before = status("VmRSS")
+info = inspect_adapter(spec, {str(path)!r})
+print(len(info.misfits), sum(m.endswith("q_proj") for m in info.misfits))
+print("peak", status("VmHWM") - before)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    misfits, peak = done.stdout.splitlines()[-2:]
+    assert int(peak.split()[1]) < PEAK_MB, peak
+    # PEFT's modules: 7 a layer; target_modules taking q_proj alone leaves the other 6 of each layer out
+    assert misfits == (f"{6 * LAYERS} 0" if "target_modules" in fields else "0 0"), misfits

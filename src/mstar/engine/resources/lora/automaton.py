@@ -88,8 +88,13 @@ class Nfa:
         self.kind: list[int] = [MATCH]
         self.arg: list = [None]
         self.next: list[int] = [0]
+        self._classes: dict[int, tuple[_Class, object]] = {}  # one test per class of the tree, however repeated
         self.start = frozenset({self._build(list(tree), 0)})
         self.chars = [s for s, k in enumerate(self.kind) if k == CHAR]
+        # the work of asking every char state about one character: a class's test costs its ranges and
+        # categories, a literal or a class's literals one
+        self.char_work = sum(getattr(self.arg[s], "cost", 1) for s in self.chars)
+        del self._classes
         self._takes: dict[str, frozenset[int]] = {}  # a character -> the char states taking it
         self._steps: dict[tuple[frozenset[int], str], frozenset[int]] = {}  # before the closure
         self._moves: dict[tuple[frozenset[int], str], frozenset[int]] = {}  # and with it, where it asks nothing
@@ -145,7 +150,7 @@ class Nfa:
     def _step(self, cur: frozenset[int], ch: str) -> frozenset[int]:
         takes = self._takes.get(ch)
         if takes is None:
-            self.budget.spend(len(self.chars), self.label)
+            self.budget.spend(self.char_work, self.label)
             takes = frozenset(s for s in self.chars if self.arg[s](ch))
             self.budget.hold(_SET + _PER_STATE * len(takes) + _ENTRY)
             self._takes[ch] = takes
@@ -227,7 +232,10 @@ class Nfa:
         if op is C.ANY:
             return self._add(CHAR, functools.partial(str.__ne__, "\n"), then)
         if op is C.IN:
-            return self._add(CHAR, _in(av), then)
+            known = self._classes.get(id(av))  # a repeat's copies are one class of the parsed tree
+            if known is None:
+                known = self._classes[id(av)] = (_Class(av), av)  # av held, so its id stays its own
+            return self._add(CHAR, known[0], then)
         if op is C.SUBPATTERN:
             if av[1] or av[2]:
                 raise ValueError("a group that sets flags is not matched here")
@@ -256,7 +264,10 @@ class Nfa:
             for _ in range(high - low):
                 out = self._add(SPLIT, self._build(list(sub), out), then)
         for _ in range(low):
+            before = self.count[0]
             out = self._build(list(sub), out)
+            if self.count[0] == before:  # sub unfolds to no states ((?:), a{0}): nor will its other copies,
+                break  # so (?:){4294967294} costs one pass over sub, not four billion
         return out
 
     def _look(self, negate: bool, direction: int, sub) -> _Look:
@@ -294,20 +305,29 @@ class _Look:
         return found != self.negate
 
 
-def _in(items) -> Callable[[str], bool]:
-    negate = bool(items) and items[0][0] is C.NEGATE
-    tests = []
-    for op, av in items[1:] if negate else items:
-        if op is C.LITERAL:
-            tests.append(functools.partial(str.__eq__, chr(av)))
-        elif op is C.RANGE:
-            lo, hi = av
-            tests.append(lambda ch, lo=lo, hi=hi: lo <= ord(ch) <= hi)
-        elif op is C.CATEGORY and av in _CATEGORIES:
-            tests.append(lambda ch, r=_CATEGORIES[av]: r.match(ch) is not None)
-        else:
-            raise ValueError(f"a character class using {str(op).lower()} is not matched here")
-    return lambda ch: any(t(ch) for t in tests) != negate
+class _Class:
+    """A character class's test: its literals one set, its ranges and categories tried in turn; cost is
+    what one question of it is counted in a Budget."""
+
+    def __init__(self, items) -> None:
+        self.negate = bool(items) and items[0][0] is C.NEGATE
+        literals, self.ranges, self.categories = set(), [], []
+        for op, av in items[1:] if self.negate else items:
+            if op is C.LITERAL:
+                literals.add(chr(av))
+            elif op is C.RANGE:
+                self.ranges.append(tuple(av))
+            elif op is C.CATEGORY and av in _CATEGORIES:
+                self.categories.append(_CATEGORIES[av])
+            else:
+                raise ValueError(f"a character class using {str(op).lower()} is not matched here")
+        self.literals = frozenset(literals)
+        self.cost = 1 + len(self.ranges) + len(self.categories)
+
+    def __call__(self, ch: str) -> bool:
+        found = ch in self.literals or any(lo <= ord(ch) <= hi for lo, hi in self.ranges) \
+            or any(r.match(ch) is not None for r in self.categories)
+        return found != self.negate
 
 
 def _word(name: str, pos: int) -> bool:
