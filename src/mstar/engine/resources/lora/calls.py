@@ -5,14 +5,18 @@ thread), then queued. The step applies the queue at its start: every rank reache
 order, so a reload arriving on an HTTP thread never crosses a collective the engine thread is in. With a
 process group the ranks first agree, in one small all_reduce every step, whether any rank has a call
 queued; only then do they gather the queues and apply the calls every rank has made, in rank 0's order,
-each with the outcome every rank computes alike from the gathered checks. A call that only some ranks
-have made waits for the others, and is refused on the ranks that made it (a ValueError saying so) once it
-has waited `within` seconds by rank 0's clock: never a hang.
+each with the outcome every rank computes alike from the gathered checks.
 
 The k-th call of a kind and names on one rank is matched with the k-th of the same kind and names on
-every other rank; a call made on the engine thread itself is agreed at once, by a round that every rank
-must make at the same point (a header tag says which kind of round each rank is in, so a rank stepping
-while another registers gets a ValueError on both, not crossed collectives).
+every other rank. A call that only some ranks have made waits for the others; once it has waited `within`
+seconds by rank 0's clock (reckoned from the gathered queues, so every rank reckons alike) it is refused
+on the ranks that made it, applied nowhere; a resolution or a forgetting is instead applied on every rank
+at that step as a failure (or a forgetting), so no rank waits on a name another rank gave up on.
+
+A call made on the engine thread itself is agreed at once, by a round that every rank must make at the
+same point (a header tag says which kind of round each rank is in). Where one rank is in such a round while
+another steps, the stepping rank tries its round again and the call stays queued on the other, its caller
+told so (Deferred): the next step applies it where every rank made it. Never crossed collectives.
 """
 
 from __future__ import annotations
@@ -30,12 +34,17 @@ from .registry import Version
 from .versions import Checked, outcome
 
 STEP, SYNC = 1, 2  # the round a rank is in: a step, or a call made on the engine thread
+EVERYWHERE = ("resolve", "forget")  # kinds a rank applies whoever made them, once they are late
+
+
+class Deferred(ValueError):
+    """A call made on the engine thread while another rank stepped: not applied now, queued for the next step."""
 
 
 @dataclass(eq=False)
 class Call:
-    """One call as queued: its kind (register, unregister, resolve), the names it is about, what this rank's
-    check of each gave (a version, or why not), and the future its caller waits on."""
+    """One call as queued: its kind (register, unregister, resolve, forget), the names it is about, what this
+    rank's check of each gave (a version, or why not), and the future its caller waits on."""
 
     kind: str
     names: tuple[str, ...]
@@ -49,6 +58,9 @@ class Call:
                 {n: c.digest if isinstance(c, Version) else c for n, c in self.checked.items()})
 
 
+Applied = tuple[Call, dict[str, Version] | ValueError]
+
+
 class Calls:
     """The queue of calls not yet applied, and their agreement."""
 
@@ -57,7 +69,7 @@ class Calls:
         self._lock = threading.Lock()
         self._queue: list[Call] = []
         self._seq = 0
-        self._first_seen: dict[int, float] = {}  # own call's seq -> rank 0's clock when first gathered
+        self._first_seen: dict[tuple[int, int], float] = {}  # (rank, seq) -> rank 0's clock when first gathered
 
     def put(self, kind: str, names: tuple[str, ...], checked: Mapping[str, Checked] | None = None) -> Call:
         with self._lock:
@@ -70,33 +82,40 @@ class Calls:
         with self._lock:
             self._queue = [c for c in self._queue if c is not call]
 
+    def drop_kind(self, kind: str, name: str) -> None:
+        """Every queued call of kind about name dropped (a resolution that another rank's failure overtook)."""
+        with self._lock:
+            self._queue = [c for c in self._queue if not (c.kind == kind and c.names == (name,))]
+
     def __len__(self) -> int:
         return len(self._queue)
 
-    def agree(self, round_: int = STEP) -> list[tuple[Call, dict[str, Version] | ValueError]]:
+    def agree(self, round_: int = STEP) -> list[Applied]:
         """The calls every rank applies now, in the order every rank applies them, each with its outcome.
-        With a group, a collective every rank makes, in the same round; calls only some ranks made stay
-        queued, and those that waited past `within` are refused (their callers told)."""
+        With a group, collectives every rank makes, in the same round: a step tries again while another rank
+        is in an engine-thread call's round; that call is Deferred (left queued) instead."""
         with self._lock:
             mine = list(self._queue)
             if self.group is None:  # taken at once: two threads applying never both take a call
                 self._queue.clear()
         if self.group is None:
             return [(c, outcome(c.checked, [c.describe()[3]])) for c in mine]
-        header = torch.tensor([round_, -round_, len(mine)], dtype=torch.int64)
-        dist.all_reduce(header, op=dist.ReduceOp.MAX, group=self.group)
-        low, high, pending = -int(header[1]), int(header[0]), int(header[2])
-        if low != high:
-            raise ValueError("the ranks' managers are in different calls: one steps while another registers, "
-                             "pushes or unregisters on its engine thread. Every rank makes such calls at the same "
-                             "point of its loop; from another thread they wait for the next step instead")
-        if pending == 0:
+        while True:
+            header = torch.tensor([round_, -round_, len(mine)], dtype=torch.int64)
+            dist.all_reduce(header, op=dist.ReduceOp.MAX, group=self.group)
+            if int(header[0]) == -int(header[1]):
+                break
+            if round_ == SYNC:
+                raise Deferred("another rank was stepping")
+            with self._lock:  # the other rank gives its round up and steps: try again, with what is queued now
+                mine = list(self._queue)
+        if int(header[2]) == 0:
             return []
         everyone: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, (time.monotonic(), [c.describe() for c in mine]), group=self.group)
         return self._match(everyone, mine)
 
-    def _match(self, everyone: list, mine: list[Call]) -> list[tuple[Call, dict[str, Version] | ValueError]]:
+    def _match(self, everyone: list, mine: list[Call]) -> list[Applied]:
         me, now = dist.get_rank(self.group), everyone[0][0]
         lists = [calls for _, calls in everyone]
         # each rank's calls by (kind, names), in its order: the k-th of one rank goes with the k-th of each other
@@ -104,33 +123,60 @@ class Calls:
         for r, calls in enumerate(lists):
             for i, (_, kind, names, _) in enumerate(calls):
                 by_key[r].setdefault((kind, names), []).append(i)
-        applied, matched = [], set()
+        applied, matched = [], [set() for _ in lists]
         for i, (_, kind, names, _) in enumerate(lists[0]):
             k = by_key[0][kind, names].index(i)
             members = [by_key[r].get((kind, names), []) for r in range(len(lists))]
             if any(len(m) <= k for m in members):
                 continue
-            mine_at = members[me][k]
-            matched.add(mine_at)
+            for r in range(len(lists)):
+                matched[r].add(members[r][k])
             seen = [lists[r][members[r][k]][3] for r in range(len(lists))]
-            applied.append((mine[mine_at], outcome(mine[mine_at].checked, seen)))
-        late = []
-        for i, call in enumerate(mine):
-            if i in matched:
-                continue
-            first = self._first_seen.setdefault(call.seq, now)
-            if now - first > self.within:
-                late.append(call)
-                others = [r for r in range(len(lists)) if not any(d[1:3] == (call.kind, call.names)
-                                                                   for d in lists[r])]
-                call.done.set_exception(ValueError(
-                    f"adapter {', '.join(map(repr, call.names))}: {call.kind} was called on rank {me} but not on "
-                    f"rank {', '.join(map(str, others))} within {self.within:g} s; with a process group every rank "
-                    "makes each call (the engine's scheduler decides once), so it is not applied anywhere"))
-        gone = matched | {mine.index(c) for c in late}
+            call = mine[members[me][k]]
+            applied.append((call, outcome(call.checked, seen)))
+        gone = set(matched[me])
+        applied += self._late(lists, matched, now, mine, gone)
         with self._lock:
             taken = {id(mine[i]) for i in gone}
             self._queue = [c for c in self._queue if id(c) not in taken]
-        for i in gone:
-            self._first_seen.pop(mine[i].seq, None)
         return applied
+
+    def _late(self, lists: list, matched: list[set[int]], now: float, mine: list[Call], gone: set[int]) \
+            -> list[Applied]:
+        """The unmatched calls that waited past within, by the same reckoning on every rank: a register or
+        unregister refused on the ranks that made it; a resolution failed, a forgetting applied, on every rank."""
+        me, seen, out, everywhere = dist.get_rank(self.group), set(), [], set()
+        for r, calls in enumerate(lists):
+            for i, (seq, kind, names, _) in enumerate(calls):
+                if i in matched[r]:
+                    self._first_seen.pop((r, seq), None)
+                    continue
+                seen.add((r, seq))
+                first = self._first_seen.setdefault((r, seq), now)
+                if now - first <= self.within:
+                    continue
+                self._first_seen.pop((r, seq))
+                why = self._why(kind, names, r, [q for q in range(len(lists))
+                                                 if not any(d[1:3] == (kind, names) for d in lists[q])])
+                if kind in EVERYWHERE:
+                    if (kind, names) not in everywhere:  # once, on every rank alike
+                        everywhere.add((kind, names))
+                        out.append((Call(kind, names), why))
+                    if r == me:
+                        gone.add(i)
+                elif r == me:
+                    mine[i].done.set_exception(why)
+                    gone.add(i)
+        for key in [k for k in self._first_seen if k not in seen]:  # dropped by their ranks meanwhile
+            del self._first_seen[key]
+        return out
+
+    def _why(self, kind: str, names: tuple[str, ...], r: int, missing: list[int]) -> ValueError:
+        others = ", ".join(map(str, missing)) or "(another call of the same kind)"
+        if kind == "resolve":
+            return ValueError(f"adapter {names[0]!r} is not registered, and its resolution landed on rank {r} but "
+                              f"not on rank {others} within {self.within:g} s (agree_within): every rank resolves "
+                              "a name itself, and every rank's answer must land within that of the others'")
+        return ValueError(f"adapter {', '.join(map(repr, names))}: {kind} was called on rank {r} but not on rank "
+                          f"{others} within {self.within:g} s; with a process group every rank makes each call (the "
+                          "engine's scheduler decides once), so it is not applied anywhere")

@@ -54,7 +54,8 @@ class LoraManager(Registrations):
     def __init__(self, stores: Mapping[str, LoraAdapterStore], pools: Mapping[str, LoraDevicePool], *,
                  group: dist.ProcessGroup | None = None, read_workers: int = 4, agree_within: float = 30.0,
                  resolver: Callable[[str], Any] | None = None, unknown_for: float = 30.0,
-                 disk_tier: DiskTier | None = None) -> None:
+                 resolver_timeout: float = 120.0, disk_tier: DiskTier | None = None,
+                 engine_thread: bool = True) -> None:
         if set(stores) != set(pools) or not stores:
             raise ValueError(f"one store and one pool per node, not stores {sorted(stores)} and pools {sorted(pools)}")
         if len({p.slots for p in pools.values()}) != 1:
@@ -76,8 +77,14 @@ class LoraManager(Registrations):
         self._disk_tier = disk_tier
         self._resolution = None if resolver is None else Resolution(
             resolver, lambda name, source: check_path(self.stores, name, source, disk=self.disk_tier), self._calls,
-            unknown_for)
-        self._engine = threading.get_ident()  # the thread that steps (before any step, the one that built it)
+            unknown_for, timeout=resolver_timeout)
+        # calls.py's engine thread: the one that steps (before any step, the one that built it), unless steps
+        # came from more than one thread (a pool: no thread is the engine's) or engine_thread=False
+        self._engine: int | None = threading.get_ident()
+        self._engine_thread = engine_thread
+        self._stepped_on: set[int] = set()
+        self._stepping: int | None = None  # the thread in a step now
+        self._rounds = threading.RLock()  # a step's collectives, or an engine-thread call's round: never interleaved
         device = next(iter(pools.values())).device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -89,7 +96,7 @@ class LoraManager(Registrations):
         """A manager with a store and a pool for every node of the model config describes; host_bytes,
         if given, is each store's byte budget beside its count; max_expert_rank a mixture of experts'
         experts node's max_rank (default max_rank); options the constructor's (resolver, disk_tier,
-        unknown_for, agree_within)."""
+        unknown_for, resolver_timeout, agree_within, engine_thread)."""
         specs = specs_from_config(config, max_rank=max_rank, capacity=host_capacity, dtype=dtype,
                                   max_expert_rank=max_expert_rank)
         stores = {n: LoraAdapterStore(s, rank, world_size, pin=pin, max_bytes=host_bytes) for n, s in specs.items()}
@@ -100,7 +107,18 @@ class LoraManager(Registrations):
 
     def step(self, running: Sequence[Request], waiting: Sequence[Request]) -> Step:
         """This step's admissions, failures and slots (see Step). Never waits on a read."""
-        self._engine = threading.get_ident()
+        me = threading.get_ident()
+        with self._rounds:
+            self._stepping = me
+            if len(self._stepped_on) < 2:  # past two, the engine steps from a pool: the set stops growing
+                self._stepped_on.add(me)
+            self._engine = me if self._engine_thread else None
+            try:
+                return self._step(running, waiting)
+            finally:
+                self._stepping = None
+
+    def _step(self, running: Sequence[Request], waiting: Sequence[Request]) -> Step:
         self._apply(STEP)
         out = Step()
         pins = self._pins(running)

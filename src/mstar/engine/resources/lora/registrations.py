@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
-from .calls import SYNC
+from .calls import SYNC, Deferred
 from .disk_tier import DiskTier, default_tier
 from .registry import Version
 from .versions import Checked, check_path, check_pushed
@@ -53,7 +54,7 @@ class Registrations:
         one that cannot be served, on any rank, before any is registered. A Hub id is resolved once, and
         the commit it names is the one checked and read. A value that is a Version (from check_all) is
         registered as checked, not hashed again."""
-        return self._call("register", tuple(adapters), self.check_all(adapters))
+        return self._call("register", tuple(sorted(adapters)), self.check_all(adapters))
 
     def check_all(self: LoraManager, adapters: Mapping[str, str | os.PathLike[str] | Version]) -> dict[str, Checked]:
         """Each adapter checked (on every core), registering none: its Version, or why it cannot be served.
@@ -75,19 +76,38 @@ class Registrations:
     def _call(self: LoraManager, kind: str, names: tuple[str, ...],
               checked: Mapping[str, Checked] | None = None) -> Any:
         """A call queued, then applied, and its outcome (a ValueError raised). Without a process group it is
-        applied at once, under the lock the step takes. With one, a call from the engine thread (the one that
-        steps, or built the manager before any step) is agreed at once, as every rank makes it at the same
-        point of its loop; a call from any other thread waits for the next step, which applies it on every
-        rank alike (a call made on some ranks only is refused, after agree_within seconds, never a hang)."""
+        applied at once. With one, a call from the engine thread (see _on_engine_thread) is agreed at once, as
+        every rank makes it at the same point of its loop; a call from any other thread waits for the next
+        step, which applies it on every rank alike (a call made on some ranks only is refused, after
+        agree_within seconds, never a hang). An engine-thread call made while another rank steps is Deferred:
+        it stays queued for the next step, and its caller is told so."""
         call = self._calls.put(kind, names, checked)
-        if self.group is None or threading.get_ident() == self._engine:
+        if self.group is None:
+            while not call.done.done():  # another thread applying meanwhile may have taken it: until it is told
+                self._apply(SYNC)
+        elif self._on_engine_thread():
             try:
                 while not call.done.done():  # until every rank has made it, or it waited past agree_within
-                    self._apply(SYNC)
+                    with self._rounds:
+                        self._apply(SYNC)
+            except Deferred:
+                raise Deferred(
+                    f"adapter {', '.join(map(repr, names))}: {kind} was called on the engine thread of rank "
+                    f"{dist.get_rank(self.group)} while another rank stepped; it stays queued, and the next step "
+                    "applies it where every rank has made it. Make such calls at the same point of every rank's "
+                    "loop, or from another thread (which waits for the step)") from None
             except ValueError:
                 self._calls.drop(call)  # refused here: never applied later by a round it was not agreed in
                 raise
         return call.done.result()
+
+    def _on_engine_thread(self: LoraManager) -> bool:
+        """Whether this thread is the engine's: the one that steps (before any step, the one that built the
+        manager), while no step runs on another; never where steps came from more than one thread (an engine
+        stepping from a pool) or the manager was made with engine_thread=False."""
+        me = threading.get_ident()
+        return (me == self._engine and len(self._stepped_on) < 2
+                and self._stepping in (None, me))
 
     def _apply(self: LoraManager, round_: int) -> None:
         """The calls every rank applies now, applied, in the order every rank applies them, and their callers
