@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import shutil
+import sys
+import threading
 import tracemalloc
 
 import pytest
@@ -52,6 +55,64 @@ def test_the_listing_says_where_each_version_is_and_pages_in_name_order(adapters
     assert [r.name for r in m.adapters().adapters] == ["a", "c", "d"], "a name unregistered leaves the listing"
     m.close()
 
+
+
+def test_names_registered_from_their_own_folders_cost_under_a_kilobyte_each(adapters, tmp_path):
+    """As a deployment registers them: each name checked at a folder of its own (hard links of one file), so
+    nothing but what a registration keeps is shared."""
+    m = one_node()
+    folders = []
+    for i in range(600):
+        folder = tmp_path / f"tenant-adapter-{i:05d}"
+        folder.mkdir()
+        for f in adapters["a"].iterdir():
+            os.link(f, folder / f.name)
+        folders.append(folder)
+    m.register("warm", folders[0])
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    for i, folder in enumerate(folders):
+        m.register(f"tenant-{i:06d}", folder)
+    m.adapters(limit=1)  # the listing's order is kept too
+    gc.collect()
+    per_name = (tracemalloc.get_traced_memory()[0] - base) / len(folders)
+    tracemalloc.stop()
+    # the issue's bound is 1 KB; the README says about 450 bytes (a Path and a dict of sizes a name took 1 KB)
+    assert per_name <= 600, f"a registered name costs {per_name:.0f} bytes before its first use"
+    m.close()
+
+
+def test_a_listing_racing_registrations_never_keeps_a_stale_order(adapters):
+    m = one_node()
+    v = m.check_all({"a": adapters["a"]})["a"]
+    stop, seen = threading.Event(), []
+
+    def lister():
+        while not stop.is_set():
+            seen.append(len(m.adapters(limit=1).adapters))
+
+    threads = [threading.Thread(target=lister) for _ in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch at every chance: a sort and a change of names interleave
+    for t in threads:
+        t.start()
+    try:
+        for round_ in range(40):
+            names = [f"r{round_}-{i:04d}" for i in range(500)]
+            m.register_all({n: dataclasses.replace(v, name=n) for n in names})
+            assert [r.name for r in m.adapters(limit=10**6).adapters] == sorted(m.registry._current), \
+                f"round {round_}: the listing lost or kept names the registry does not have"
+            for n in names[::2]:
+                m.unregister(n)
+            assert [r.name for r in m.adapters(limit=10**6).adapters] == sorted(m.registry._current)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(interval)
+    assert len(seen) > 100
+    m.close()
 
 def test_a_page_past_the_last_name_is_empty_and_a_zero_limit_refused(adapters):
     m = one_node()
