@@ -1,25 +1,29 @@
 """Adapters in object storage: `s3://bucket/prefix/`, and what obstore gives beside it (`gs://`, `az://`,
-`https://`), each a folder of adapter_config.json and *.safetensors as PEFT saves one.
+`https://`), each a folder of adapter_config.json and adapter_model.safetensors as PEFT saves one.
 
-An adapter is pinned by listing its prefix once: each file's ETag and size are the object's identity, so
-an object replaced in the bucket is another Remote, checked as a new version under a new digest, and a
-download of a pinned one asks for that ETag (If-Match): a replaced object is refused, never served under
-the old digest. Credentials and endpoints come from obstore's own chain (AWS_* variables, instance
+An adapter is pinned by one HEAD of each of the two files a folder is read from (checkpoint.locate_files),
+never by a listing: an optimizer's or a checkpoint's files beside them are neither listed nor fetched, and
+a plain HTTP server, which answers no listing, serves as well as a bucket. Each file's ETag and size are
+the object's identity, so an object replaced in the bucket is another Remote, checked as a new version
+under a new digest, and a download of a pinned one asks for that ETag (If-Match): a replaced object is
+refused, never served under the old digest. A URL is taken only as urls.checked allows. Credentials and endpoints come from obstore's own chain (AWS_* variables, instance
 metadata, and so on) and are never logged. Needs obstore (`pip install 'mstar-lora[objects]'`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-SCHEMES = ("s3://", "gs://", "az://", "abfs://", "https://", "http://")
-FILES = re.compile(r"adapter_config\.json|[^/]+\.safetensors")
+from . import urls
+from .checkpoint import CONFIG, WEIGHTS
+
+SCHEMES = tuple(f"{s}://" for s in urls.SCHEMES)
+FILES = (CONFIG, WEIGHTS)  # all that a local adapter folder is read from
 CHUNK = 8 << 20
 
 
@@ -30,6 +34,10 @@ class Remote:
 
     url: str
     objects: tuple[tuple[str, str, int], ...]
+
+    def __post_init__(self) -> None:
+        if urls.checked(self.url) != self.url:
+            raise ValueError(f"a Remote's URL is a checked prefix ending in '/' ({urls.checked(self.url)})")
 
     def __str__(self) -> str:
         return self.url
@@ -45,7 +53,7 @@ def is_remote(source: object) -> bool:
 
 def store_for(url: str) -> Any:
     """obstore's store for the bucket and prefix url names (one a prefix, reused: it pools its connections)."""
-    return _store(url.rstrip("/") + "/")
+    return _store(url.rstrip("/"))  # no '/' of its own: an HTTP store joins a file's path with one
 
 
 @lru_cache(maxsize=64)
@@ -65,31 +73,38 @@ def _store(url: str) -> Any:
 
 
 def pin(url: str) -> Remote:
-    """url's adapter files as they are now (a ValueError that says why not, without repeating url)."""
-    import obstore
+    """url's adapter files as they are now, each its ETag and size from a HEAD (a ValueError that says why
+    not, without repeating url)."""
+    url = urls.checked(url)
+    heads = {name: _head(url, name) for name in FILES}
+    return Remote(url, tuple((name, meta["e_tag"] or "", meta["size"]) for name, meta in heads.items()))
 
-    url = url.rstrip("/") + "/"
+
+def has_adapter(url: str) -> bool:
+    """Whether url holds an adapter's config (a resolver's cheap question before a pin): one HEAD."""
     try:
-        listed = [meta for batch in obstore.list(store_for(url)) for meta in batch]
-    except Exception as e:
-        raise ValueError(f"its objects could not be listed ({short(e)})") from None
-    objects = tuple(sorted((m["path"], m["e_tag"] or "", m["size"]) for m in listed
-                           if FILES.fullmatch(m["path"])))
-    names = [n for n, _, _ in objects]
-    if "adapter_config.json" not in names or not any(n.endswith(".safetensors") for n in names):
-        raise ValueError(f"no adapter there: it holds {len(listed)} objects, and an adapter needs "
-                         "adapter_config.json and a .safetensors file beside it")
-    return Remote(url, objects)
+        _head(urls.checked(url), CONFIG)
+    except Missing:
+        return False
+    return True
 
 
-def has_objects(url: str) -> bool:
-    """Whether any object lies under url (a resolver's cheap question before a pin)."""
+def _head(url: str, name: str) -> dict[str, Any]:
+    """url's object name as a HEAD gives it (ETag, size); Missing if there is none, else a ValueError."""
     import obstore
+    from obstore.exceptions import NotFoundError
 
     try:
-        return any(len(batch) for batch in obstore.list(store_for(url.rstrip("/") + "/"), chunk_size=1))
+        return obstore.head(store_for(url), name)
+    except (NotFoundError, FileNotFoundError):  # obstore raises either for a 404
+        raise Missing(f"no adapter there: no {name} under it (an adapter is {CONFIG} and {WEIGHTS} beside "
+                      "it, as PEFT saves one)") from None
     except Exception as e:
-        raise ValueError(f"its objects could not be listed ({short(e)})") from None
+        raise ValueError(f"{name} could not be looked up ({short(e)})") from None
+
+
+class Missing(ValueError):
+    """No such object: a refusal of the source, and to a resolver, no adapter there."""
 
 
 def download(remote: Remote, name: str, etag: str, size: int, dest: Path) -> None:
@@ -109,12 +124,12 @@ def download(remote: Remote, name: str, etag: str, size: int, dest: Path) -> Non
                     break
                 f.write(chunk)
         if got != size:
-            raise ValueError(f"{name} came with {got} bytes, not the {size} it was listed with")
+            raise ValueError(f"{name} came with {got} bytes, not the {size} it was pinned with")
         os.replace(tmp, dest)
     except PreconditionError:
         raise ValueError(f"{name} was replaced in the store since it was checked (its ETag is no longer "
                          f"{etag}): the new object is a new version") from None
-    except NotFoundError:
+    except (NotFoundError, FileNotFoundError):
         raise ValueError(f"{name} was deleted from the store since it was checked") from None
     except ValueError:
         raise

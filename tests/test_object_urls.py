@@ -1,0 +1,120 @@
+"""Object-store URLs as sources, against a real S3 server on 127.0.0.1 (moto's server mode) and a plain HTTP
+file server: only the adapter's two files are pinned and fetched, a URL names its prefix and nothing outside
+it however it is encoded, and a secret written into a URL shows in no refusal or listing."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+pytest.importorskip("obstore")
+pytest.importorskip("moto")
+
+import s3server
+from managers import one_node
+from tiny import make_adapter
+
+from mstar.engine.resources.lora import objects
+from mstar.engine.resources.lora.check import check_adapter_file
+from mstar.engine.resources.lora.disk_tier import DiskTier
+from mstar.engine.resources.lora.manager import LoraManager
+from mstar.engine.resources.lora.resolvers import ObjectStoreResolver
+
+BUCKET = f"s3://{s3server.BUCKET}"
+
+
+@pytest.fixture(scope="module")
+def server():
+    moto, proxy, faults, _ = s3server.start({"MSTAR_LORA_OBJECT_TIMEOUT": "3s"})
+    yield faults
+    proxy.shutdown()
+    moto.stop()
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    return make_adapter(tmp_path_factory.mktemp("urls"), name="sql", seed=3)[1]
+
+
+def manager(tmp_path) -> LoraManager:
+    m = one_node()
+    return LoraManager(m.stores, m.pools, disk_tier=DiskTier(tmp_path / "disk", 10**9))
+
+
+def test_only_the_two_files_a_folder_is_read_from_are_pinned_and_fetched(server, adapter, tmp_path):
+    s3server.upload(adapter, "urls/extra")
+    import boto3
+
+    for junk in ("optimizer.safetensors", "checkpoint-100.safetensors", "notes.txt"):
+        boto3.client("s3").put_object(Bucket=s3server.BUCKET, Key=f"urls/extra/{junk}", Body=b"\0" * 4096)
+    remote = objects.pin(f"{BUCKET}/urls/extra/")
+    assert [n for n, _, _ in remote.objects] == ["adapter_config.json", "adapter_model.safetensors"]
+    tier, gets = DiskTier(tmp_path / "disk", 10**9), server.gets
+    with tier.local(remote) as folder:
+        assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert server.gets - gets == 2, "one GET a file, none for what lies beside them"
+
+
+@pytest.mark.parametrize("path", ["x/%2e%2e/ok", "x/%2E%2e/ok", "x/../ok", "./ok", "x/.%2e/ok", "%2e/ok",
+                                  "x%2f..%2fok", "x%2F%2E%2E%2Fok", "x%5c..%5cok", "x\\..\\ok", "x/\t../ok",
+                                  "x/.\n./ok", "x//ok", "x/%252e%252e/ok", "x/%zz/ok", "x/%c3/ok", "x/%00/ok",
+                                  "ok/?versionId=1", "ok/#frag", "ok?", "ok#"])
+def test_a_url_that_would_name_something_else_once_parsed_is_refused(server, adapter, tmp_path, path):
+    s3server.upload(adapter, "urls/ok")  # where the traversals would land
+    m = manager(tmp_path)
+    with pytest.raises(ValueError, match=r"(?s)^adapter 'x' \(.*\): its (URL|path|bucket|host) (has|is) "):
+        m.register("x", f"{BUCKET}/urls/{path}/")
+    assert "x" not in m.registry
+    with pytest.raises(ValueError, match=r"^object-store prefix "):
+        ObjectStoreResolver(f"{BUCKET}/urls/{path}/")
+    m.close()
+
+
+@pytest.mark.parametrize("url", [f"{BUCKET}/urls/ünï/", f"{BUCKET}/urls/a%20b/", f"{BUCKET}/urls/%C3%BCber/",
+                                 f"{BUCKET}/urls/v1.0/", f"{BUCKET}/urls/x...y/"])
+def test_a_url_whose_segments_are_names_is_served(server, adapter, tmp_path, url):
+    from urllib.parse import unquote
+
+    s3server.upload(adapter, unquote(url.removeprefix(f"{BUCKET}/")).rstrip("/"))
+    m = manager(tmp_path)
+    v = m.register("u", url)
+    assert v.digest == check_adapter_file(m.stores["language_model"].spec, "u", adapter)
+    assert [r.source for r in m.adapters().adapters] == [url]
+    m.close()
+
+
+def test_a_resolver_finds_no_adapter_where_there_is_no_config(server, adapter):
+    s3server.upload(adapter, "urls/found")
+    import boto3
+
+    boto3.client("s3").put_object(Bucket=s3server.BUCKET, Key="urls/stray/adapter_model.safetensors", Body=b"0")
+    resolver = ObjectStoreResolver(f"{BUCKET}/urls/")
+    assert resolver("found") == f"{BUCKET}/urls/found/"
+    assert resolver("stray") is None and resolver("nothing") is None, "objects, but no adapter's config"
+
+
+@pytest.fixture(scope="module")
+def web(tmp_path_factory, adapter):
+    """A plain HTTP file server (no listing, no WebDAV) serving one adapter folder."""
+    root = tmp_path_factory.mktemp("www")
+    shutil.copytree(adapter, root / "adapters" / "sql")
+    (root / "adapters" / "sql" / "optimizer.safetensors").write_bytes(b"\0" * 4096)
+    quiet = type("Quiet", (SimpleHTTPRequestHandler,), {"log_message": lambda *a: None})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(quiet, directory=str(root)))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_an_adapter_on_a_plain_http_server_is_pinned_by_head_and_served(server, web, adapter, tmp_path):
+    m = manager(tmp_path)  # server: AWS_ALLOW_HTTP, which lets obstore speak plain http
+    v = m.register("web", f"{web}/adapters/sql/")
+    assert v.digest == check_adapter_file(m.stores["language_model"].spec, "web", adapter)
+    assert [n for n, _, _ in v.path.objects] == ["adapter_config.json", "adapter_model.safetensors"]
+    with pytest.raises(ValueError, match=r"no adapter there: no adapter_config.json under it"):
+        m.register("none", f"{web}/adapters/none/")
+    m.close()
