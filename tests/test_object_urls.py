@@ -118,3 +118,59 @@ def test_an_adapter_on_a_plain_http_server_is_pinned_by_head_and_served(server, 
     with pytest.raises(ValueError, match=r"no adapter there: no adapter_config.json under it"):
         m.register("none", f"{web}/adapters/none/")
     m.close()
+
+
+KEY, SECRET, SIGNATURE = "AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY", "c2lnbmF0dXJlZm9yZXZlcg"
+WITH_SECRETS = [f"s3://{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/", f"S3://{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/",
+                f"https://user:{SECRET}@127.0.0.1:9/urls/ok/", f"http://{SECRET}@127.0.0.1:9/urls/ok/",
+                f"{BUCKET}/urls/ok/?X-Amz-Credential={KEY}&X-Amz-Signature={SIGNATURE}",
+                f"https://127.0.0.1:9/urls/ok/?sig={SIGNATURE}@{SECRET}", f"s3://user:{SECRET}?x@{s3server.BUCKET}/ok/",
+                f"s3://{KEY}:{SECRET[:9]}/{SECRET[9:]}@{s3server.BUCKET}/urls/ok/",
+                f"s3://{KEY}%3A{SECRET}%40{s3server.BUCKET}/urls/ok/", f"ftp://{KEY}:{SECRET}@host/p/",
+                f"{BUCKET}/urls/ok/#{SECRET}", f"abfs://{KEY.lower()}:{SECRET}@acct.dfs.core.windows.net/p/"]
+
+
+def secretless(text: str) -> bool:
+    return not any(s in text for s in (KEY, KEY.lower(), SECRET, SECRET[:9], SECRET[9:], SIGNATURE))
+
+
+@pytest.mark.parametrize("url", WITH_SECRETS)
+def test_a_url_with_credentials_is_refused_and_its_secret_shown_nowhere(server, adapter, tmp_path, url):
+    s3server.upload(adapter, "urls/ok")
+    m = manager(tmp_path)
+    with pytest.raises(ValueError, match=r"^adapter 'x' \(") as e:
+        m.register("x", url)
+    assert secretless(str(e.value)), str(e.value)
+    if ("@" in url or "?" in url) and not url.startswith("ftp"):
+        assert "credentials come from the client's standard chain (AWS_ACCESS_KEY_ID" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        ObjectStoreResolver(url)
+    assert str(e.value).startswith("object-store prefix ") and secretless(str(e.value)), str(e.value)
+    with pytest.raises(ValueError) as e:
+        objects.Remote(url, ())
+    assert secretless(str(e.value)), str(e.value)
+    assert secretless(repr(m.adapters())) and m.adapters().adapters == []
+    m.close()
+
+
+def test_a_resolver_giving_a_url_with_credentials_fails_its_requests_without_the_secret(server, adapter, tmp_path):
+    from test_objects import until_settled
+
+    from mstar.engine.resources.lora.manager import Request
+
+    s3server.upload(adapter, "urls/ok")
+    m = one_node()
+    m = LoraManager(m.stores, m.pools, disk_tier=DiskTier(tmp_path / "disk", 10**9),
+                    resolver=lambda name: WITH_SECRETS[int(name.removeprefix("n"))])
+    _, failed, _ = until_settled(m, [Request(i, f"n{i}") for i in range(len(WITH_SECRETS))])
+    assert sorted(failed) == list(range(len(WITH_SECRETS)))
+    assert all(str(e).startswith(f"adapter 'n{i}' (") and secretless(str(e)) for i, e in failed.items()), failed
+    assert secretless(repr(m.adapters())) and m.adapters().adapters == []
+    m.close()
+
+
+def test_an_abfs_container_at_its_account_is_no_credential():
+    from mstar.engine.resources.lora import urls
+
+    assert urls.checked("abfs://models@acct.dfs.core.windows.net/a") == "abfs://models@acct.dfs.core.windows.net/a/"
+    assert urls.redacted(f"s3://{KEY}:{SECRET}@bucket/p/?X-Amz-Signature={SIGNATURE}") == "s3://***@bucket/p/"

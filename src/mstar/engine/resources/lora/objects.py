@@ -6,8 +6,10 @@ never by a listing: an optimizer's or a checkpoint's files beside them are neith
 a plain HTTP server, which answers no listing, serves as well as a bucket. Each file's ETag and size are
 the object's identity, so an object replaced in the bucket is another Remote, checked as a new version
 under a new digest, and a download of a pinned one asks for that ETag (If-Match): a replaced object is
-refused, never served under the old digest. A URL is taken only as urls.checked allows. Credentials and endpoints come from obstore's own chain (AWS_* variables, instance
-metadata, and so on) and are never logged. Needs obstore (`pip install 'mstar-lora[objects]'`).
+refused, never served under the old digest. A URL is taken only as urls.checked allows, and a refusal
+shows it redacted. Credentials and endpoints come from obstore's own chain (AWS_* variables, instance
+metadata, and so on), never from the URL, and are never logged. Needs obstore (`pip install
+'mstar-lora[objects]'`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ class Remote:
 
 
 def is_remote(source: object) -> bool:
-    return isinstance(source, Remote) or (isinstance(source, str) and source.startswith(SCHEMES))
+    """Whether source is an object-store source: a Remote, or text written as a URL (checked as one, so that
+    an unsupported scheme is refused as such, its URL redacted, and not looked up as a path)."""
+    return isinstance(source, Remote) or urls.is_url(source)
 
 
 def store_for(url: str) -> Any:

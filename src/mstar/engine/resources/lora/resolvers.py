@@ -56,11 +56,12 @@ class ObjectStoreResolver:
 
     def __init__(self, prefix: str) -> None:
         if not isinstance(prefix, str):
-            raise ValueError(f"an object-store prefix is a URL ({', '.join(objects.SCHEMES)}), not {prefix!r}")
+            raise ValueError(f"an object-store prefix is a URL ({', '.join(objects.SCHEMES)}), not a "
+                             f"{type(prefix).__name__}")
         try:
             self.prefix = urls.checked(prefix)
         except ValueError as e:
-            raise ValueError(f"object-store prefix {prefix}: {e}") from None
+            raise ValueError(f"object-store prefix {urls.redacted(prefix)}: {e}") from None
         self.where = f"object store {self.prefix}"
 
     def __call__(self, name: str) -> str | None:

@@ -6,6 +6,10 @@ segment, and URL parsers drop tabs and newlines and read '\\' as '/' in http(s).
 as the store will read it, decoded: no '.' or '..', no empty segment, no encoded '/', '\\' or '%', no
 control or format character; and a query or fragment, which names no object, is refused rather than kept
 in the pin, the folder's hash and the listing.
+
+A URL carries no credentials: user:password@ or a signed query (X-Amz-Signature=...) is refused, and a
+refusal shows the URL redacted, since whatever it holds would otherwise stand in errors, logs and
+listings. Credentials come from the client's standard chain.
 """
 
 from __future__ import annotations
@@ -19,12 +23,35 @@ LONGEST = 2048  # characters: an S3 key is at most 1,024 bytes
 SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 BUCKET = re.compile(r"[A-Za-z0-9_.-]+")
 HOST = re.compile(r"(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")  # http(s): a name or [IPv6], a port
+ABFS = re.compile(r"[a-z0-9-]{3,63}@[A-Za-z0-9_.-]+")  # abfs://container@account.dfs.core.windows.net/
 ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
+CHAIN = ("credentials come from the client's standard chain (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+         "AWS_SESSION_TOKEN and the other AWS_* variables; GOOGLE_APPLICATION_CREDENTIALS; AZURE_STORAGE_*; "
+         "instance metadata), never from a URL, which would show in errors and listings")
+SHOWN = 300  # characters of a URL a refusal shows
 
 
 def is_url(source: object) -> bool:
     """Whether source is written as a URL (scheme://...), whatever its scheme: one checked as a URL."""
     return isinstance(source, str) and SCHEME.match(source) is not None
+
+
+def redacted(url: str) -> str:
+    """url as a message may show it: what precedes an '@' (user:password) as ***, a host or bucket that is no
+    plain name as ***, the query and fragment dropped, unprintable characters escaped, at most SHOWN
+    characters."""
+    found = SCHEME.match(url)
+    head, rest = (url[:found.end()], url[found.end():]) if found else ("", url)
+    hidden = "@" in rest
+    if hidden:
+        before, _, rest = rest.rpartition("@")
+        if "?" in before or "#" in before:  # what follows the '@' may be the query's
+            rest = ""
+    host, slash, path = rest.split("?", 1)[0].split("#", 1)[0].partition("/")
+    if host and not HOST.fullmatch(host):
+        host, hidden = "", True
+    shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in f"{head}{'***@' * hidden}{host}{slash}{path}")
+    return shown if len(shown) <= SHOWN else shown[:SHOWN] + "..."
 
 
 def checked(url: str) -> str:
@@ -38,10 +65,15 @@ def checked(url: str) -> str:
         raise ValueError(f"{scheme + '://' if scheme else 'it'} is not an object store obstore reads "
                          f"({', '.join(s + '://' for s in SCHEMES)})")
     rest = url[found.end():]
-    if "?" in rest or "#" in rest:
-        raise ValueError("its URL has a query or fragment ('?' or '#'), which names no object")
     host, _, path = rest.partition("/")
-    if not (HOST if scheme.startswith("http") else BUCKET).fullmatch(host):
+    if "@" in rest and not (scheme == "abfs" and ABFS.fullmatch(host)):
+        raise ValueError(f"its URL carries credentials (user:password@, or an '@' anywhere): {CHAIN}")
+    if "?" in rest:
+        raise ValueError(f"its URL has a query ('?'), which names no object, and a signature or token there is "
+                         f"a credential: {CHAIN}")
+    if "#" in rest:
+        raise ValueError("its URL has a fragment ('#'), which names no object")
+    if not (HOST if scheme.startswith("http") else ABFS if "@" in host else BUCKET).fullmatch(host):
         raise ValueError(f"its {'host' if scheme.startswith('http') else 'bucket'} is not a plain name "
                          "(ASCII letters, digits, '.', '-' and '_')")
     segments = path.split("/")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import hub, objects
+from . import hub, objects, urls
 from .check import check_checkpoint
 from .checkpoint import Checkpoint, open_checkpoint, refusal
 from .disk_tier import DiskTier, default_tier
@@ -40,8 +40,8 @@ def check_path(stores: Mapping[str, LoraAdapterStore], name: str, path: str | os
         if objects.is_remote(path):
             try:
                 remote = path if isinstance(path, Remote) else objects.pin(path)
-            except ValueError as e:
-                raise refusal(name, str(path), [str(e)]) from None
+            except ValueError as e:  # the URL as it may be shown: it may carry a secret
+                raise refusal(name, str(path) if isinstance(path, Remote) else urls.redacted(path), [str(e)]) from None
             tier = (disk or default_tier)()
             try:
                 with tier.local(remote) as local:
