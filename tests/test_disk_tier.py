@@ -165,3 +165,81 @@ def test_a_start_removes_what_an_ended_process_left(remotes, tmp_path):
         (left / "sub" / "f").write_bytes(b"half")
     DiskTier(tmp_path, 10**9)
     assert not part.exists() and not gone.exists() and one in tier, "no live process held them"
+
+
+# a manager registering url with its disk tier at root, where it cannot write: as nobody where the tests run
+# as root (whom no mode bits stop), else with the tier's folder made read-only; prints the refusal
+UNWRITABLE = """
+import os, sys
+sys.path.insert(0, sys.argv[3])
+import obstore
+from managers import one_node
+from mstar.engine.resources.lora.disk_tier import HOME, DiskTier
+from mstar.engine.resources.lora.manager import LoraManager
+root, url = sys.argv[1], sys.argv[2]
+DiskTier(root, 10**9)
+m = one_node()
+m = LoraManager(m.stores, m.pools, disk_tier=DiskTier(root, 10**9))
+if os.geteuid() == 0:
+    os.setgid(65534)
+    os.setuid(65534)
+else:
+    os.chmod(os.path.join(root, HOME), 0o555)
+try:
+    m.register("x", url)
+except ValueError as e:
+    print(e)
+"""
+
+
+def refused_plainly(why: str, url: str, tier_home: Path) -> bool:
+    """Whether a refusal names the adapter, its URL and a file, and no path of the tier's."""
+    return (why.startswith(f"adapter 'x' ({url}") and ("adapter_config.json" in why or "adapter_model.safetensors"
+            in why) and str(tier_home) not in why and ".part" not in why and ".lock" not in why)
+
+
+def test_a_disk_tier_that_cannot_be_written_refuses_naming_adapter_url_and_file(remotes, tmp_path):
+    [one, _], _ = remotes
+    tmp_path.chmod(0o755)  # for nobody to reach it
+    run = subprocess.run([sys.executable, "-c", UNWRITABLE, str(tmp_path), one.url, str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=300)
+    why = run.stdout.strip()
+    assert refused_plainly(why, one.url, tmp_path / HOME) and why.endswith("(Permission denied)"), why + run.stderr
+
+
+def test_a_file_name_too_long_for_the_disk_refuses_naming_adapter_url_and_file(remotes, tmp_path):
+    [one, _], _ = remotes
+    from managers import one_node
+
+    from mstar.engine.resources.lora.manager import LoraManager
+
+    root = tmp_path
+    while len(str(root / HOME)) < 4050 - 200:
+        root = root / ("d" * 200)
+    root = root / ("d" * (4050 - len(str(root / HOME)) - 1))  # the tier's folders fit; its files' paths do not
+    m = one_node()
+    m = LoraManager(m.stores, m.pools, disk_tier=DiskTier(root, 10**9))
+    with pytest.raises(ValueError) as e:
+        m.register("x", one.url)
+    assert refused_plainly(str(e.value), one.url, root / HOME) and "(File name too long)" in str(e.value), str(e.value)
+    m.close()
+
+
+@pytest.mark.parametrize("mode", ["truncate", "down", "500"])
+def test_a_download_failing_half_way_refuses_naming_adapter_url_and_file(server, remotes, tmp_path, mode):
+    [_, two], _ = remotes
+    from managers import one_node
+
+    from mstar.engine.resources.lora.manager import LoraManager
+
+    m = one_node()
+    m = LoraManager(m.stores, m.pools, disk_tier=DiskTier(tmp_path, 10**9))
+    server.mode, server.match, server.method = mode, "tier/two/adapter_model", "GET"
+    try:
+        with pytest.raises(ValueError) as e:
+            m.register("x", two.url)
+    finally:
+        server.mode = server.method = None
+    assert refused_plainly(str(e.value), two.url, tmp_path / HOME), str(e.value)
+    assert [p.name for p in (tmp_path / HOME).iterdir()] == [], "nothing of it stays, not even its lock"
+    m.close()

@@ -80,7 +80,11 @@ class DiskTier:
         process) while in use. A ValueError (saying why, naming the file) if it cannot be fetched whole as
         pinned."""
         key = _folder(remote)
-        fd = self._hold(remote, key)
+        try:
+            fd = self._hold(remote, key)
+        except OSError as e:  # the local disk's, before any file: said without the tier's temporary paths
+            raise ValueError(f"{' and '.join(objects.FILES)} could not be written to the disk tier "
+                             f"({e.strerror or type(e).__name__})") from None
         try:
             yield self.home / key
         finally:

@@ -15,6 +15,8 @@ metadata, and so on), never from the URL, and are never logged. Needs obstore (`
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import lru_cache
@@ -113,16 +115,13 @@ class Missing(ValueError):
 
 def download(remote: Remote, name: str, etag: str, size: int, dest: Path) -> None:
     """One pinned object into dest, whole or not at all: a ValueError if it was replaced since its pin, came
-    short or long, or the store failed."""
-    import obstore
-    from obstore.exceptions import NotFoundError, PreconditionError
-
+    short or long, the store failed, or the local disk could not take it (saying why, never where: dest is
+    in a temporary folder of the disk tier's)."""
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
     try:
-        options = {"if_match": etag} if etag else None
-        got = 0
         with open(tmp, "wb") as f:
-            for chunk in obstore.get(store_for(remote.url), name, options=options).stream(min_chunk_size=CHUNK):
+            got = 0
+            for chunk in _chunks(remote, name, etag):
                 got += len(chunk)
                 if got > size:
                     break
@@ -130,17 +129,28 @@ def download(remote: Remote, name: str, etag: str, size: int, dest: Path) -> Non
         if got != size:
             raise ValueError(f"{name} came with {got} bytes, not the {size} it was pinned with")
         os.replace(tmp, dest)
+    except OSError as e:  # the local disk's (full, unwritable, a name too long): the store's are ValueErrors
+        raise ValueError(f"{name} could not be written to the disk tier ({e.strerror or type(e).__name__})") from None
+    finally:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def _chunks(remote: Remote, name: str, etag: str) -> Iterator[bytes]:
+    """name's bytes as the store streams them, asking for the pinned ETag; a ValueError saying why not."""
+    import obstore
+    from obstore.exceptions import NotFoundError, PreconditionError
+
+    try:
+        yield from obstore.get(store_for(remote.url), name, options={"if_match": etag} if etag else None).stream(
+            min_chunk_size=CHUNK)
     except PreconditionError:
         raise ValueError(f"{name} was replaced in the store since it was checked (its ETag is no longer "
                          f"{etag}): the new object is a new version") from None
     except (NotFoundError, FileNotFoundError):
         raise ValueError(f"{name} was deleted from the store since it was checked") from None
-    except ValueError:
-        raise
     except Exception as e:
         raise ValueError(f"{name} could not be fetched ({short(e)})") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def short(e: BaseException) -> str:
