@@ -61,8 +61,9 @@ def test_only_the_two_files_a_folder_is_read_from_are_pinned_and_fetched(server,
 
 @pytest.mark.parametrize("path", ["x/%2e%2e/ok", "x/%2E%2e/ok", "x/../ok", "./ok", "x/.%2e/ok", "%2e/ok",
                                   "x%2f..%2fok", "x%2F%2E%2E%2Fok", "x%5c..%5cok", "x\\..\\ok", "x/\t../ok",
-                                  "x/.\n./ok", "x//ok", "x/%252e%252e/ok", "x/%zz/ok", "x/%c3/ok", "x/%00/ok",
-                                  "ok/?versionId=1", "ok/#frag", "ok?", "ok#"])
+                                  "x/.\n./ok", "x//ok", "x/\u2028/ok", "x/%E2%80%AE/ok", "x/%252e%252e/ok",
+                                  "x/%zz/ok", "x/%c3/ok", "x/%c0%ae%c0%ae/ok", "x/%00/ok", "ok/?versionId=1",
+                                  "ok/#frag", "ok?", "ok#"])
 def test_a_url_that_would_name_something_else_once_parsed_is_refused(server, adapter, tmp_path, path):
     s3server.upload(adapter, "urls/ok")  # where the traversals would land
     m = manager(tmp_path)
@@ -127,7 +128,9 @@ WITH_SECRETS = [f"s3://{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/", f"S3://{KEY}:
                 f"https://127.0.0.1:9/urls/ok/?sig={SIGNATURE}@{SECRET}", f"s3://user:{SECRET}?x@{s3server.BUCKET}/ok/",
                 f"s3://{KEY}:{SECRET[:9]}/{SECRET[9:]}@{s3server.BUCKET}/urls/ok/",
                 f"s3://{KEY}%3A{SECRET}%40{s3server.BUCKET}/urls/ok/", f"ftp://{KEY}:{SECRET}@host/p/",
-                f"{BUCKET}/urls/ok/#{SECRET}", f"abfs://{KEY.lower()}:{SECRET}@acct.dfs.core.windows.net/p/"]
+                f"{BUCKET}/urls/ok/#{SECRET}", f"abfs://{KEY.lower()}:{SECRET}@acct.dfs.core.windows.net/p/",
+                f"s3:/{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/", f"s3:{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/",
+                f"s3:///{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/"]
 
 
 def secretless(text: str) -> bool:
@@ -141,7 +144,7 @@ def test_a_url_with_credentials_is_refused_and_its_secret_shown_nowhere(server, 
     with pytest.raises(ValueError, match=r"^adapter 'x' \(") as e:
         m.register("x", url)
     assert secretless(str(e.value)), str(e.value)
-    if ("@" in url or "?" in url) and not url.startswith("ftp"):
+    if ("@" in url or "?" in url) and "://" in url and not url.startswith("ftp"):
         assert "credentials come from the client's standard chain (AWS_ACCESS_KEY_ID" in str(e.value)
     with pytest.raises(ValueError) as e:
         ObjectStoreResolver(url)
@@ -174,3 +177,15 @@ def test_an_abfs_container_at_its_account_is_no_credential():
 
     assert urls.checked("abfs://models@acct.dfs.core.windows.net/a") == "abfs://models@acct.dfs.core.windows.net/a/"
     assert urls.redacted(f"s3://{KEY}:{SECRET}@bucket/p/?X-Amz-Signature={SIGNATURE}") == "s3://***@bucket/p/"
+
+
+@pytest.mark.parametrize("url", ["s3://../x/", "s3://./x/", "s3://-b/x/", "https://a b/x/", "s3://ü/x/", "https://[zz]/x/",
+                                 "https://h:123456/x/", "s3:///x/", "s3:/bucket/x/", "s3:bucket/x/", "HTTPS:host/x",
+                                 "s3://b/" + "a" * 2048 + "/"])
+def test_a_source_near_a_url_is_checked_as_one_and_refused_unless_its_bucket_or_host_is_plain(url):
+    from mstar.engine.resources.lora import urls
+
+    assert objects.is_remote(url), "never looked up as a local path, whose refusal would echo it whole"
+    with pytest.raises(ValueError, match=r"^its (URL|bucket|host) (is|has) "):
+        urls.checked(url)
+    assert len(urls.redacted(url)) <= urls.SHOWN + 3

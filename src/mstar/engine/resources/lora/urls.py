@@ -21,8 +21,11 @@ from urllib.parse import unquote
 SCHEMES = ("s3", "gs", "az", "abfs", "https", "http")
 LONGEST = 2048  # characters: an S3 key is at most 1,024 bytes
 SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-BUCKET = re.compile(r"[A-Za-z0-9_.-]+")
-HOST = re.compile(r"(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")  # http(s): a name or [IPv6], a port
+# what is taken for a URL, to be checked (and refused, redacted) as one: scheme:/ (but a drive, C:/), or one
+# of SCHEMES and a colon however it goes on: never looked up as a local path, whose refusal would echo it
+URLISH = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:/|(?:s3|gs|az|abfs|https?):", re.IGNORECASE)
+BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+HOST = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_.-]*|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")  # a name or [IPv6], a port
 ABFS = re.compile(r"[a-z0-9-]{3,63}@[A-Za-z0-9_.-]+")  # abfs://container@account.dfs.core.windows.net/
 ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
 CHAIN = ("credentials come from the client's standard chain (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
@@ -32,8 +35,9 @@ SHOWN = 300  # characters of a URL a refusal shows
 
 
 def is_url(source: object) -> bool:
-    """Whether source is written as a URL (scheme://...), whatever its scheme: one checked as a URL."""
-    return isinstance(source, str) and SCHEME.match(source) is not None
+    """Whether source is written as a URL (scheme://..., or near it), whatever its scheme: one checked as a
+    URL."""
+    return isinstance(source, str) and URLISH.match(source) is not None
 
 
 def redacted(url: str) -> str:
@@ -60,10 +64,11 @@ def checked(url: str) -> str:
     if len(url) > LONGEST:
         raise ValueError(f"its URL is {len(url)} characters long, over the {LONGEST} an object-store URL may be")
     found = SCHEME.match(url)
-    scheme = url[:found.end() - 3].lower() if found else ""
+    if not found:
+        raise ValueError(f"its URL is not written scheme://bucket/path ({', '.join(s + '://' for s in SCHEMES)})")
+    scheme = url[:found.end() - 3].lower()
     if scheme not in SCHEMES:
-        raise ValueError(f"{scheme + '://' if scheme else 'it'} is not an object store obstore reads "
-                         f"({', '.join(s + '://' for s in SCHEMES)})")
+        raise ValueError(f"{scheme}:// is not an object store obstore reads ({', '.join(s + '://' for s in SCHEMES)})")
     rest = url[found.end():]
     host, _, path = rest.partition("/")
     if "@" in rest and not (scheme == "abfs" and ABFS.fullmatch(host)):
