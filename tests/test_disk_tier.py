@@ -243,3 +243,49 @@ def test_a_download_failing_half_way_refuses_naming_adapter_url_and_file(server,
     assert refused_plainly(str(e.value), two.url, tmp_path / HOME), str(e.value)
     assert [p.name for p in (tmp_path / HOME).iterdir()] == [], "nothing of it stays, not even its lock"
     m.close()
+
+
+# a process racing others on root: two threads using the adapters at random (and evicting at random) under a
+# budget of 0, each use checking the folder holds the pinned files whole; prints its failures, one a line
+RACER = """
+import hashlib, os, random, sys, threading
+from mstar.engine.resources.lora import objects
+from mstar.engine.resources.lora.disk_tier import DiskTier
+root, seed, iterations, *sources = sys.argv[1:]
+remotes = [objects.pin(u) for u in sources[::2]]
+expected = [{f: hashlib.sha256((__import__("pathlib").Path(d) / f).read_bytes()).hexdigest()
+             for f in ("adapter_config.json", "adapter_model.safetensors")} for d in sources[1::2]]
+tier, failures = DiskTier(root, 0), []
+
+def use(k):
+    rng = random.Random(int(seed) * 10 + k)
+    for _ in range(int(iterations)):
+        j = rng.randrange(len(remotes))
+        try:
+            if rng.random() < 0.2:
+                tier.evict(remotes[rng.randrange(len(remotes))])
+            with tier.local(remotes[j]) as folder:
+                got = {f: hashlib.sha256((folder / f).read_bytes()).hexdigest() for f in sorted(os.listdir(folder))}
+                if got != expected[j]:
+                    failures.append(f"adapter {j}: {sorted(got)} not as pinned")
+        except Exception as e:
+            failures.append(f"{type(e).__name__}: {e}")
+
+threads = [threading.Thread(target=use, args=(k,)) for k in range(2)]
+for t in threads: t.start()
+for t in threads: t.join()
+print("\\n".join(failures))
+"""
+
+
+def test_processes_racing_on_one_root_read_only_whole_folders_and_leave_nothing_behind(remotes, tmp_path):
+    [one, two], folders = remotes
+    sources = [str(x) for r, f in zip([one, two], folders, strict=True) for x in (r.url, f)]
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path), str(seed), "150", *sources], text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for seed in range(3)]
+    while any(r.poll() is None for r in racers):
+        DiskTier(tmp_path, 10**9)  # starting processes' sweeps meanwhile
+    for r in racers:
+        out, err = r.communicate()
+        assert r.returncode == 0 and out.strip() == "", out + err
+    assert os.listdir(tmp_path / HOME) == [], "no folder (budget 0), no lock, no temporary name left"

@@ -100,34 +100,41 @@ class DiskTier:
                 future = self._fetching.get(key)
             if future is not None:  # this process's download of it: its outcome is this call's too
                 future.result()
-            fd = self._locked(key, fcntl.LOCK_SH)
-            if _is_folder(folder):
+            fd: int | None = self._locked(key, fcntl.LOCK_SH)
+            if not _is_folder(folder):
+                os.close(fd)
+                fd = self._fetch(remote, key)
+            if fd is not None and _is_folder(folder):
                 with suppress(OSError):  # another user's folder on a shared volume: its order is theirs
                     os.utime(folder)
                 return fd
-            os.close(fd)
-            self._fetch(remote, key)
+            if fd is not None:
+                os.close(fd)
         raise ValueError(f"other processes sharing the disk tier at {self.root} evicted it {ATTEMPTS} times as "
                          "soon as it was fetched: their max_bytes leaves no room for it")
 
-    def _fetch(self, remote: Remote, key: str) -> None:
+    def _fetch(self, remote: Remote, key: str) -> int | None:
         """key's folder put in place, by one download for all this process's threads, unless another
-        process puts it there first."""
+        process puts it there first; the lock held shared where this thread took it to download (None
+        elsewhere): downgraded, not let go, so that no eviction comes between the download and its use."""
         with self._lock:
             future = self._fetching.get(key)
             mine = future is None
             if mine:
                 future = self._fetching[key] = Future()
         if not mine:
-            return future.result()
+            future.result()
+            return None
         try:
             fd = self._exclusive(key)
             if fd is not None:
                 try:
                     if not _is_folder(self.home / key):
                         self._download(remote, key)
-                finally:
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # Linux converts it at once; elsewhere _hold looks again
+                except BaseException:
                     self._release(key, fd)
+                    raise
         except BaseException as e:
             with self._lock:
                 del self._fetching[key]
@@ -136,7 +143,7 @@ class DiskTier:
         with self._lock:
             del self._fetching[key]
         future.set_result(None)
-        return None
+        return fd
 
     def _exclusive(self, key: str) -> int | None:
         """key's lock held exclusive to download it, or None once its folder is in place. Polled, not waited
@@ -198,11 +205,16 @@ class DiskTier:
         for entry in os.scandir(self.home):
             try:
                 if KEY.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
-                    if entry.name not in self._sizes:
-                        self._sizes[entry.name] = sum(f.stat().st_size for f in os.scandir(entry.path))
-                    out.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.name, self._sizes[entry.name]))
+                    n = self._sizes.get(entry.name)  # read once: another thread's eviction may pop it
+                    if n is None:
+                        n = self._sizes[entry.name] = sum(f.stat().st_size for f in os.scandir(entry.path))
+                    out.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.name, n))
             except FileNotFoundError:  # evicted meanwhile by another process
                 continue
+        present = {key for _, key, _ in out}
+        for key in list(self._sizes):  # those gone, by whichever process
+            if key not in present:
+                self._sizes.pop(key, None)
         return out
 
     def _locked(self, key: str, how: int) -> int | None:
