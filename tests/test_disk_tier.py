@@ -5,6 +5,7 @@ same process, and with other processes downloading and reading there, against a 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -289,3 +290,14 @@ def test_processes_racing_on_one_root_read_only_whole_folders_and_leave_nothing_
         out, err = r.communicate()
         assert r.returncode == 0 and out.strip() == "", out + err
     assert os.listdir(tmp_path / HOME) == [], "no folder (budget 0), no lock, no temporary name left"
+
+
+def test_a_tier_whose_folder_was_removed_under_it_makes_it_again(remotes, tmp_path):
+    [one, _], [one_files, _] = remotes
+    tier = DiskTier(tmp_path, 10**9)
+    shutil.rmtree(tmp_path / HOME)  # a cache cleaned while the server runs
+    assert tier.nbytes == 0 and one not in tier
+    with tier.local(one) as folder:
+        assert (folder / "adapter_model.safetensors").read_bytes() == \
+            (one_files / "adapter_model.safetensors").read_bytes()
+    assert one in tier

@@ -89,7 +89,8 @@ class DiskTier:
             yield self.home / key
         finally:
             os.close(fd)
-            self._trim()
+            with suppress(OSError):  # a folder it may not drop (another user's, a read-only tier) stays
+                self._trim()
 
     def _hold(self, remote: Remote, key: str) -> int:
         """key's lock held shared, once its folder is in place: fetched first if it is not, and again if
@@ -193,6 +194,8 @@ class DiskTier:
             if not _is_folder(self.home / key):
                 return False
             os.rename(self.home / key, gone)  # whole at its name or not there: never half deleted
+        except OSError:  # one it may not rename (another user's, under a sticky folder) stays
+            return False
         finally:
             self._release(key, fd)
         self._sizes.pop(key, None)
@@ -201,8 +204,12 @@ class DiskTier:
 
     def _folders(self) -> list[tuple[int, str, int]]:
         """(mtime, key, bytes) of each folder in place, as every process sharing root sees them."""
+        try:
+            entries = list(os.scandir(self.home))
+        except FileNotFoundError:  # removed under it: nothing of its own is there
+            return []
         out = []
-        for entry in os.scandir(self.home):
+        for entry in entries:
             try:
                 if KEY.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
                     n = self._sizes.get(entry.name)  # read once: another thread's eviction may pop it
@@ -222,7 +229,11 @@ class DiskTier:
         holds it). An eviction unlinks the file: a lock taken on one no longer at its path is taken again."""
         path = self.home / f"{key}.lock"
         while True:
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            except FileNotFoundError:  # its folder removed under it (a cache cleaned): made again
+                self.home.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
             try:
                 fcntl.flock(fd, how)
             except BlockingIOError:
