@@ -5,10 +5,10 @@ Run: .venv/bin/python benchmarks/bench_objects.py [--runs 9]
 
 A local S3 server (moto's server mode on 127.0.0.1) holds a Llama-7B-shaped adapter, rank 8 on q/k/v/o
 (16.8 MB), under a new name each run. The manager's side: a request names it; the manager's resolver finds
-it under the prefix, pins its objects (a listing), downloads it into a fresh disk tier, checks and hashes
-it, and the next steps read it into host memory and admit the request (steps every 1 ms meanwhile, as an
-engine's loop would). The plain side: obstore's get of the same two objects into memory. Each figure is
-the median of --runs runs, the two sides alternating.
+it under the prefix, pins its objects (a HEAD of each of its two files), downloads it into a fresh disk
+tier, checks and hashes it, and the next steps read it into host memory and admit the request (steps every
+1 ms meanwhile, as an engine's loop would). The plain side: obstore's get of the same two objects into
+memory. Each figure is the median of --runs runs, the two sides alternating.
 """
 
 from __future__ import annotations

@@ -23,11 +23,13 @@ def free_port() -> int:
 class Faults:
     """What the proxy does to requests whose path contains `match` (every request where match is ""):
     mode None (forward), "500", "slow" (wait `seconds` first), "truncate" (half the body, then close),
-    "down" (close without an answer). hits counts the GETs of objects forwarded whole."""
+    "down" (close without an answer); only requests of `method` where one is given ("GET": the downloads, not
+    the HEADs that pin). gets counts the GETs of objects forwarded whole."""
 
     def __init__(self) -> None:
         self.mode: str | None = None
         self.match = ""
+        self.method: str | None = None
         self.seconds = 0.0
         self.gets = 0
 
@@ -49,7 +51,7 @@ def start(env: dict[str, str] | None = None) -> tuple[object, ThreadingHTTPServe
 
         def forward(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            hit = faults.mode is not None and faults.match in self.path
+            hit = faults.mode is not None and faults.match in self.path and faults.method in (None, self.command)
             if hit and faults.mode == "down":
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
@@ -69,7 +71,9 @@ def start(env: dict[str, str] | None = None) -> tuple[object, ThreadingHTTPServe
             for k, v in answer.getheaders():
                 if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                     self.send_header(k, v)
-            self.send_header("Content-Length", str(len(data)))
+            # a HEAD's answer has no body, and its Content-Length is the object's size
+            self.send_header("Content-Length", answer.getheader("Content-Length", "0") if self.command == "HEAD"
+                             else str(len(data)))
             self.end_headers()
             if hit and faults.mode == "truncate" and self.command == "GET" and len(data) > 1:
                 self.wfile.write(data[: len(data) // 2])

@@ -21,7 +21,7 @@ from tiny import make_adapter, model_config
 
 from mstar.engine.resources.lora import LoraAdapterStore, LoraDevicePool, specs_from_config
 from mstar.engine.resources.lora.check import check_adapter_file
-from mstar.engine.resources.lora.disk_tier import DiskTier
+from mstar.engine.resources.lora.disk_tier import HOME, DiskTier
 from mstar.engine.resources.lora.manager import LoraManager, Request
 from mstar.engine.resources.lora.resolvers import FolderResolver, ObjectStoreResolver
 
@@ -109,15 +109,15 @@ def test_a_failing_bucket_fails_its_adapters_requests_only(server, adapters, tmp
     s3server.upload(adapters["other"], f"tenants/{name}")
     m = manager(tmp_path)
     m.register("local", adapters["local"])
-    server.mode, server.match = mode, f"{name}/adapter_model"  # the listing answers; the download fails
+    server.mode, server.match, server.method = mode, f"{name}/adapter_model", "GET"  # pinned; the download fails
     try:
         admitted, failed, _ = until_settled(m, [Request(1, name), Request(2, "local")])
     finally:
-        server.mode = None
+        server.mode = server.method = None
     assert admitted == [2] and list(failed) == [1], "the local adapter served; the bucket's failed"
     why = str(failed[1])
     assert why.startswith(f"adapter {name!r} (") and PREFIX + name in why and "adapter_model.safetensors" in why
-    assert name not in m.registry and not any(p.name.startswith(".") for p in (tmp_path / "disk").iterdir()), \
+    assert name not in m.registry and not any(p.name.startswith(".") for p in (tmp_path / "disk" / HOME).iterdir()), \
         "nothing of the failed download stays, not even a partial file"
     m.close()
 

@@ -1,130 +1,273 @@
 """The local disk tier: remote adapters' files kept on local disk within a byte budget, least recent dropped.
 
-Each pinned adapter (objects.Remote: its URL and its objects' ETags and sizes) has a folder named by a hash
-of its pin, so a replaced object is another folder, never the old one's bytes. A file is downloaded to a
-temporary name and renamed when whole, and the folder is renamed into place once every file is: a partial
-download is never read. Concurrent fetches of one pin share one download. A folder in use (being checked
-or read) is never dropped; past the budget the least recently used others go, folder by folder.
+Everything it keeps lies in root/mstar-lora-tier, a folder of its own, and there it touches only what it
+names: a folder per pinned adapter (32 hex digits, a hash of its pin: a replaced object is another
+folder), its lock file (<hex>.lock), and its temporary names (.<hex>.part while it downloads,
+.<hex>.<hex>.gone while it is deleted). Anything else, in root or in its folder, is left alone, so root
+may be a directory others share.
+
+Several processes may share one root (every rank of a node, servers on a shared volume), kept apart by
+flock on a folder's lock file: a download holds it exclusive (one download of a pin at a time, and a
+starting process removes a .part only where it can take the lock), a user of the folder holds it shared
+while it reads, and an eviction removes a folder only where it takes it exclusive without waiting. Files
+are downloaded to temporary names and renamed when whole, the folder renamed into place once every file
+is and renamed out of place before it is deleted: a partial folder is never read. Recency is a folder's
+mtime, touched at each use, so every process sharing root sees one LRU order.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import re
 import shutil
+import stat
 import threading
-from collections import OrderedDict
+import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from . import objects
 from .objects import Remote
 
+HOME = "mstar-lora-tier"
+KEY = re.compile(r"[0-9a-f]{32}")
+PART = re.compile(r"\.([0-9a-f]{32})\.part")
+GONE = re.compile(r"\.[0-9a-f]{32}\.[0-9a-f]{32}\.gone")
+ATTEMPTS = 3  # fetches of a folder that other processes evict as soon as it lands, before giving up
+POLL = 0.05  # seconds between looks at a download another process holds
+
 
 class DiskTier:
-    """Remote adapters' files under root, at most max_bytes of them beside those in use."""
+    """Remote adapters' files under root/mstar-lora-tier, at most max_bytes of them beside those in use."""
 
     def __init__(self, root: str | os.PathLike[str], max_bytes: int) -> None:
         self.root, self.max_bytes = Path(root), max_bytes
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.home = self.root / HOME
+        self.home.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._lru: OrderedDict[str, int] = OrderedDict()  # folder -> bytes, least recent first
-        self._fetching: dict[str, Future[Path]] = {}
-        self._using: dict[str, int] = {}
+        self._fetching: dict[str, Future[None]] = {}
+        self._sizes: dict[str, int] = {}  # a folder's bytes: it never changes once in place
         self.downloads = 0  # files downloaded, for tests and metrics
-        for old in self.root.iterdir():  # a restart: partial folders go, whole ones are kept, oldest first
-            if old.name.startswith("."):
-                shutil.rmtree(old, ignore_errors=True)
-        for folder in sorted((p for p in self.root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime):
-            self._lru[folder.name] = sum(f.stat().st_size for f in folder.iterdir())
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """What ended processes left: folders half deleted, and downloads whose lock no live process holds."""
+        for entry in os.scandir(self.home):
+            part = PART.fullmatch(entry.name)
+            if GONE.fullmatch(entry.name):
+                _remove(entry.path)
+            elif part:
+                fd = self._locked(part[1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if fd is not None:
+                    _remove(entry.path)
+                    self._release(part[1], fd)
 
     @property
     def nbytes(self) -> int:
-        with self._lock:
-            return sum(self._lru.values())
+        return sum(n for _, _, n in self._folders())
 
     def __contains__(self, remote: object) -> bool:
-        return isinstance(remote, Remote) and _folder(remote) in self._lru
+        return isinstance(remote, Remote) and _is_folder(self.home / _folder(remote))
 
     @contextmanager
     def local(self, remote: Remote) -> Iterator[Path]:
-        """remote's folder on local disk, downloaded first if it is not here, kept from eviction while in use.
-        A ValueError (saying why, naming the file) if it cannot be fetched whole as pinned."""
+        """remote's folder on local disk, downloaded first if it is not here, kept from eviction (by any
+        process) while in use. A ValueError (saying why, naming the file) if it cannot be fetched whole as
+        pinned."""
         key = _folder(remote)
-        with self._lock:
-            self._using[key] = self._using.get(key, 0) + 1
         try:
-            yield self._fetch(remote, key)
+            fd = self._hold(remote, key)
+        except OSError as e:  # the local disk's, before any file: said without the tier's temporary paths
+            raise ValueError(f"{' and '.join(objects.FILES)} could not be written to the disk tier "
+                             f"({e.strerror or type(e).__name__})") from None
+        try:
+            yield self.home / key
         finally:
-            with self._lock:
-                self._using[key] -= 1
-                if not self._using[key]:
-                    del self._using[key]
-            self._trim()
+            os.close(fd)
+            with suppress(OSError):  # a folder it may not drop (another user's, a read-only tier) stays
+                self._trim()
 
-    def _fetch(self, remote: Remote, key: str) -> Path:
-        folder = self.root / key
+    def _hold(self, remote: Remote, key: str) -> int:
+        """key's lock held shared, once its folder is in place: fetched first if it is not, and again if
+        another process evicted it between the fetch and the lock."""
+        folder = self.home / key
+        for _ in range(ATTEMPTS):
+            with self._lock:
+                future = self._fetching.get(key)
+            if future is not None:  # this process's download of it: its outcome is this call's too
+                future.result()
+            fd: int | None = self._locked(key, fcntl.LOCK_SH)
+            if not _is_folder(folder):
+                os.close(fd)
+                fd = self._fetch(remote, key)
+            if fd is not None and _is_folder(folder):
+                with suppress(OSError):  # another user's folder on a shared volume: its order is theirs
+                    os.utime(folder)
+                return fd
+            if fd is not None:
+                os.close(fd)
+        raise ValueError(f"other processes sharing the disk tier at {self.root} evicted it {ATTEMPTS} times as "
+                         "soon as it was fetched: their max_bytes leaves no room for it")
+
+    def _fetch(self, remote: Remote, key: str) -> int | None:
+        """key's folder put in place, by one download for all this process's threads, unless another
+        process puts it there first; the lock held shared where this thread took it to download (None
+        elsewhere): downgraded, not let go, so that no eviction comes between the download and its use."""
         with self._lock:
-            if key in self._lru and folder.is_dir():
-                self._lru.move_to_end(key)
-                return folder
-            self._lru.pop(key, None)
             future = self._fetching.get(key)
             mine = future is None
             if mine:
                 future = self._fetching[key] = Future()
         if not mine:
-            return future.result()
+            future.result()
+            return None
         try:
-            tmp = self.root / f".{key}.{os.getpid()}.{threading.get_ident()}"
-            tmp.mkdir()
-            try:
-                for name, etag, size in remote.objects:
-                    objects.download(remote, name, etag, size, tmp / name)
-                    self.downloads += 1
+            fd = self._exclusive(key)
+            if fd is not None:
                 try:
-                    os.replace(tmp, folder)
-                except OSError:  # another process sharing the root renamed the same pin's folder first
-                    if not folder.is_dir():
-                        raise
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+                    if not _is_folder(self.home / key):
+                        self._download(remote, key)
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # Linux converts it at once; elsewhere _hold looks again
+                except BaseException:
+                    self._release(key, fd)
+                    raise
         except BaseException as e:
             with self._lock:
                 del self._fetching[key]
             future.set_exception(e)
             raise
         with self._lock:
-            self._lru[key] = remote.nbytes
             del self._fetching[key]
-        future.set_result(folder)
-        return folder
+        future.set_result(None)
+        return fd
+
+    def _exclusive(self, key: str) -> int | None:
+        """key's lock held exclusive to download it, or None once its folder is in place. Polled, not waited
+        for: readers of a folder in place hold the lock shared as long as they read."""
+        while True:
+            fd = self._locked(key, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if fd is not None:
+                return fd
+            if _is_folder(self.home / key):
+                return None
+            time.sleep(POLL)
+
+    def _download(self, remote: Remote, key: str) -> None:
+        """remote's files into .<key>.part, renamed to key once whole (key's lock held exclusive)."""
+        part = self.home / f".{key}.part"
+        _remove(part)  # an ended process's: a live one would hold the lock
+        part.mkdir()
+        try:
+            for name, etag, size in remote.objects:
+                objects.download(remote, name, etag, size, part / name)
+                self.downloads += 1
+            os.rename(part, self.home / key)
+            self._sizes[key] = remote.nbytes
+        finally:
+            _remove(part)
 
     def evict(self, remote: Remote) -> bool:
-        """remote's folder dropped now, unless in use: whether it was."""
-        key = _folder(remote)
-        with self._lock:
-            if key in self._using or key not in self._lru:
-                return False
-            del self._lru[key]
-        shutil.rmtree(self.root / key, ignore_errors=True)
-        return True
+        """remote's folder dropped now, unless in use, here or by another process: whether it was."""
+        return self._drop(_folder(remote))
 
     def _trim(self) -> None:
-        with self._lock:
-            over = sum(self._lru.values()) - self.max_bytes
-            gone = []
-            for key, n in list(self._lru.items()):
-                if over <= 0:
-                    break
-                if key not in self._using:
-                    del self._lru[key]
-                    gone.append(key)
-                    over -= n
-        for key in gone:
-            shutil.rmtree(self.root / key, ignore_errors=True)
+        """Folders dropped, least recently used first, until the rest fit max_bytes; one in use is skipped."""
+        folders = self._folders()
+        over = sum(n for _, _, n in folders) - self.max_bytes
+        for _, key, n in sorted(folders):
+            if over <= 0:
+                break
+            if self._drop(key):
+                over -= n
+
+    def _drop(self, key: str) -> bool:
+        fd = self._locked(key, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if fd is None:
+            return False
+        gone = self.home / f".{key}.{uuid.uuid4().hex}.gone"
+        try:
+            if not _is_folder(self.home / key):
+                return False
+            os.rename(self.home / key, gone)  # whole at its name or not there: never half deleted
+        except OSError:  # one it may not rename (another user's, under a sticky folder) stays
+            return False
+        finally:
+            self._release(key, fd)
+        self._sizes.pop(key, None)
+        _remove(gone)
+        return True
+
+    def _folders(self) -> list[tuple[int, str, int]]:
+        """(mtime, key, bytes) of each folder in place, as every process sharing root sees them."""
+        try:
+            entries = list(os.scandir(self.home))
+        except FileNotFoundError:  # removed under it: nothing of its own is there
+            return []
+        out = []
+        for entry in entries:
+            try:
+                if KEY.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                    n = self._sizes.get(entry.name)  # read once: another thread's eviction may pop it
+                    if n is None:
+                        n = self._sizes[entry.name] = sum(f.stat().st_size for f in os.scandir(entry.path))
+                    out.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.name, n))
+            except FileNotFoundError:  # evicted meanwhile by another process
+                continue
+        present = {key for _, key, _ in out}
+        for key in list(self._sizes):  # those gone, by whichever process
+            if key not in present:
+                self._sizes.pop(key, None)
+        return out
+
+    def _locked(self, key: str, how: int) -> int | None:
+        """key's lock file, open and flocked `how` (LOCK_SH or LOCK_EX, | LOCK_NB not to wait: None if another
+        holds it). An eviction unlinks the file: a lock taken on one no longer at its path is taken again."""
+        path = self.home / f"{key}.lock"
+        while True:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            except FileNotFoundError:  # its folder removed under it (a cache cleaned): made again
+                self.home.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            try:
+                fcntl.flock(fd, how)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+
+    def _release(self, key: str, fd: int) -> None:
+        """An exclusive lock let go; its file unlinked first where no folder stands for it to guard."""
+        try:
+            if not _is_folder(self.home / key):
+                with suppress(FileNotFoundError):
+                    os.unlink(self.home / f"{key}.lock")
+        finally:
+            os.close(fd)
+
+
+def _is_folder(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _remove(path: str | os.PathLike[str]) -> None:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _folder(remote: Remote) -> str:

@@ -1,25 +1,33 @@
 """Adapters in object storage: `s3://bucket/prefix/`, and what obstore gives beside it (`gs://`, `az://`,
-`https://`), each a folder of adapter_config.json and *.safetensors as PEFT saves one.
+`https://`), each a folder of adapter_config.json and adapter_model.safetensors as PEFT saves one.
 
-An adapter is pinned by listing its prefix once: each file's ETag and size are the object's identity, so
-an object replaced in the bucket is another Remote, checked as a new version under a new digest, and a
-download of a pinned one asks for that ETag (If-Match): a replaced object is refused, never served under
-the old digest. Credentials and endpoints come from obstore's own chain (AWS_* variables, instance
-metadata, and so on) and are never logged. Needs obstore (`pip install 'mstar-lora[objects]'`).
+An adapter is pinned by one HEAD of each of the two files a folder is read from (checkpoint.locate_files),
+never by a listing: an optimizer's or a checkpoint's files beside them are neither listed nor fetched, and
+a plain HTTP server, which answers no listing, serves as well as a bucket. Each file's ETag and size are
+the object's identity, so an object replaced in the bucket is another Remote, checked as a new version
+under a new digest, and a download of a pinned one asks for that ETag (If-Match): a replaced object is
+refused, never served under the old digest. A URL is taken only as urls.checked allows, and a refusal
+shows it redacted. Credentials and endpoints come from obstore's own chain (AWS_* variables, instance
+metadata, and so on), never from the URL, and are never logged. Needs obstore (`pip install
+'mstar-lora[objects]'`).
 """
 
 from __future__ import annotations
 
 import os
-import re
+from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-SCHEMES = ("s3://", "gs://", "az://", "abfs://", "https://", "http://")
-FILES = re.compile(r"adapter_config\.json|[^/]+\.safetensors")
+from . import urls
+from .checkpoint import CONFIG, WEIGHTS
+
+SCHEMES = tuple(f"{s}://" for s in urls.SCHEMES)
+FILES = (CONFIG, WEIGHTS)  # all that a local adapter folder is read from
 CHUNK = 8 << 20
 
 
@@ -31,6 +39,10 @@ class Remote:
     url: str
     objects: tuple[tuple[str, str, int], ...]
 
+    def __post_init__(self) -> None:
+        if urls.checked(self.url) != self.url:
+            raise ValueError(f"a Remote's URL is a checked prefix ending in '/' ({urls.checked(self.url)})")
+
     def __str__(self) -> str:
         return self.url
 
@@ -40,12 +52,14 @@ class Remote:
 
 
 def is_remote(source: object) -> bool:
-    return isinstance(source, Remote) or (isinstance(source, str) and source.startswith(SCHEMES))
+    """Whether source is an object-store source: a Remote, or text written as a URL (checked as one, so that
+    an unsupported scheme is refused as such, its URL redacted, and not looked up as a path)."""
+    return isinstance(source, Remote) or urls.is_url(source)
 
 
 def store_for(url: str) -> Any:
     """obstore's store for the bucket and prefix url names (one a prefix, reused: it pools its connections)."""
-    return _store(url.rstrip("/") + "/")
+    return _store(url.rstrip("/"))  # no '/' of its own: an HTTP store joins a file's path with one
 
 
 @lru_cache(maxsize=64)
@@ -65,63 +79,78 @@ def _store(url: str) -> Any:
 
 
 def pin(url: str) -> Remote:
-    """url's adapter files as they are now (a ValueError that says why not, without repeating url)."""
-    import obstore
+    """url's adapter files as they are now, each its ETag and size from a HEAD (a ValueError that says why
+    not, without repeating url)."""
+    url = urls.checked(url)
+    heads = {name: _head(url, name) for name in FILES}
+    return Remote(url, tuple((name, meta["e_tag"] or "", meta["size"]) for name, meta in heads.items()))
 
-    url = url.rstrip("/") + "/"
+
+def has_adapter(url: str) -> bool:
+    """Whether url holds an adapter's config (a resolver's cheap question before a pin): one HEAD."""
     try:
-        listed = [meta for batch in obstore.list(store_for(url)) for meta in batch]
-    except Exception as e:
-        raise ValueError(f"its objects could not be listed ({short(e)})") from None
-    objects = tuple(sorted((m["path"], m["e_tag"] or "", m["size"]) for m in listed
-                           if FILES.fullmatch(m["path"])))
-    names = [n for n, _, _ in objects]
-    if "adapter_config.json" not in names or not any(n.endswith(".safetensors") for n in names):
-        raise ValueError(f"no adapter there: it holds {len(listed)} objects, and an adapter needs "
-                         "adapter_config.json and a .safetensors file beside it")
-    return Remote(url, objects)
+        _head(urls.checked(url), CONFIG)
+    except Missing:
+        return False
+    return True
 
 
-def has_objects(url: str) -> bool:
-    """Whether any object lies under url (a resolver's cheap question before a pin)."""
+def _head(url: str, name: str) -> dict[str, Any]:
+    """url's object name as a HEAD gives it (ETag, size); Missing if there is none, else a ValueError."""
     import obstore
+    from obstore.exceptions import NotFoundError
 
     try:
-        return any(len(batch) for batch in obstore.list(store_for(url.rstrip("/") + "/"), chunk_size=1))
+        return obstore.head(store_for(url), name)
+    except (NotFoundError, FileNotFoundError):  # obstore raises either for a 404
+        raise Missing(f"no adapter there: no {name} under it (an adapter is {CONFIG} and {WEIGHTS} beside "
+                      "it, as PEFT saves one)") from None
     except Exception as e:
-        raise ValueError(f"its objects could not be listed ({short(e)})") from None
+        raise ValueError(f"{name} could not be looked up ({short(e)})") from None
+
+
+class Missing(ValueError):
+    """No such object: a refusal of the source, and to a resolver, no adapter there."""
 
 
 def download(remote: Remote, name: str, etag: str, size: int, dest: Path) -> None:
     """One pinned object into dest, whole or not at all: a ValueError if it was replaced since its pin, came
-    short or long, or the store failed."""
-    import obstore
-    from obstore.exceptions import NotFoundError, PreconditionError
-
+    short or long, the store failed, or the local disk could not take it (saying why, never where: dest is
+    in a temporary folder of the disk tier's)."""
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
     try:
-        options = {"if_match": etag} if etag else None
-        got = 0
         with open(tmp, "wb") as f:
-            for chunk in obstore.get(store_for(remote.url), name, options=options).stream(min_chunk_size=CHUNK):
+            got = 0
+            for chunk in _chunks(remote, name, etag):
                 got += len(chunk)
                 if got > size:
                     break
                 f.write(chunk)
         if got != size:
-            raise ValueError(f"{name} came with {got} bytes, not the {size} it was listed with")
+            raise ValueError(f"{name} came with {got} bytes, not the {size} it was pinned with")
         os.replace(tmp, dest)
+    except OSError as e:  # the local disk's (full, unwritable, a name too long): the store's are ValueErrors
+        raise ValueError(f"{name} could not be written to the disk tier ({e.strerror or type(e).__name__})") from None
+    finally:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def _chunks(remote: Remote, name: str, etag: str) -> Iterator[bytes]:
+    """name's bytes as the store streams them, asking for the pinned ETag; a ValueError saying why not."""
+    import obstore
+    from obstore.exceptions import NotFoundError, PreconditionError
+
+    try:
+        yield from obstore.get(store_for(remote.url), name, options={"if_match": etag} if etag else None).stream(
+            min_chunk_size=CHUNK)
     except PreconditionError:
         raise ValueError(f"{name} was replaced in the store since it was checked (its ETag is no longer "
                          f"{etag}): the new object is a new version") from None
-    except NotFoundError:
+    except (NotFoundError, FileNotFoundError):
         raise ValueError(f"{name} was deleted from the store since it was checked") from None
-    except ValueError:
-        raise
     except Exception as e:
         raise ValueError(f"{name} could not be fetched ({short(e)})") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def short(e: BaseException) -> str:

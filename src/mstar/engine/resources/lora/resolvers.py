@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from . import objects
+from . import objects, urls
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}")
 
@@ -51,20 +51,24 @@ class HubResolver:
 
 
 class ObjectStoreResolver:
-    """prefix/name/ in object storage (s3://bucket/adapters/, gs://, az://): the adapter there if any object
-    is, read through the manager's disk tier."""
+    """prefix/name/ in object storage (s3://bucket/adapters/, gs://, az://): the adapter there if its
+    adapter_config.json is (one HEAD), read through the manager's disk tier."""
 
     def __init__(self, prefix: str) -> None:
-        if not objects.is_remote(prefix):
-            raise ValueError(f"an object-store prefix is a URL ({', '.join(objects.SCHEMES)}), not {prefix!r}")
-        self.prefix = prefix.rstrip("/") + "/"
+        if not isinstance(prefix, str):
+            raise ValueError(f"an object-store prefix is a URL ({', '.join(objects.SCHEMES)}), not a "
+                             f"{type(prefix).__name__}")
+        try:
+            self.prefix = urls.checked(prefix)
+        except ValueError as e:
+            raise ValueError(f"object-store prefix {urls.redacted(prefix)}: {e}") from None
         self.where = f"object store {self.prefix}"
 
     def __call__(self, name: str) -> str | None:
         if not plain(name):
             return None
         url = f"{self.prefix}{name}/"
-        return url if objects.has_objects(url) else None
+        return url if objects.has_adapter(url) else None
 
 
 def where(resolver: object) -> str:

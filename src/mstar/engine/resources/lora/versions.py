@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import hub, objects
+from . import hub, objects, urls
 from .check import check_checkpoint
 from .checkpoint import Checkpoint, open_checkpoint, refusal
 from .disk_tier import DiskTier, default_tier
@@ -40,8 +40,8 @@ def check_path(stores: Mapping[str, LoraAdapterStore], name: str, path: str | os
         if objects.is_remote(path):
             try:
                 remote = path if isinstance(path, Remote) else objects.pin(path)
-            except ValueError as e:
-                raise refusal(name, str(path), [str(e)]) from None
+            except ValueError as e:  # the URL as it may be shown: it may carry a secret
+                raise refusal(name, str(path) if isinstance(path, Remote) else urls.redacted(path), [str(e)]) from None
             tier = (disk or default_tier)()
             try:
                 with tier.local(remote) as local:
@@ -64,8 +64,9 @@ def check_path(stores: Mapping[str, LoraAdapterStore], name: str, path: str | os
 
 
 def named(e: ValueError, name: str, remote: Remote, tier: DiskTier) -> ValueError:
-    """e as a refusal naming the adapter and its URL, where the disk tier's folder for it would stand."""
-    text = re.sub(re.escape(str(tier.root)) + r"/[0-9a-f]{32}", remote.url.rstrip("/"), str(e))
+    """e as a refusal naming the adapter and its URL where the disk tier's folder for it (or its download's
+    temporary one) would stand."""
+    text = re.sub(re.escape(str(tier.home)) + r"/\.?[0-9a-f]{32}(?:\.part)?", remote.url.rstrip("/"), str(e))
     return ValueError(text) if text.startswith(f"adapter {name!r}") else refusal(name, remote.url, [text])
 
 
