@@ -51,6 +51,7 @@ class Call:
     checked: Mapping[str, Checked] = field(default_factory=dict)
     seq: int = 0
     done: Future = field(default_factory=Future)
+    gathered: bool = False  # taken into a round of agreement: from then on the rounds decide it, not its caller
 
     def describe(self) -> tuple:
         """What every rank sees of this call: kind, names, and each name's digest or refusal."""
@@ -70,17 +71,45 @@ class Calls:
         self._queue: list[Call] = []
         self._seq = 0
         self._first_seen: dict[tuple[int, int], float] = {}  # (rank, seq) -> rank 0's clock when first gathered
+        self.closed: str | None = None  # why calls are refused now (the manager was closed)
 
     def put(self, kind: str, names: tuple[str, ...], checked: Mapping[str, Checked] | None = None) -> Call:
         with self._lock:
             self._seq += 1
             call = Call(kind, names, dict(checked or {}), self._seq)
-            self._queue.append(call)
+            if self.closed is None:
+                self._queue.append(call)
+            else:
+                call.done.set_exception(ValueError(f"adapter {', '.join(map(repr, names))}: {kind} was not "
+                                                   f"applied: {self.closed}"))
             return call
+
+    def _take(self) -> list[Call]:
+        """The queue as a round sees it (under the lock): each call in it gathered from now on."""
+        for c in self._queue:
+            c.gathered = True
+        return list(self._queue)
 
     def drop(self, call: Call) -> None:
         with self._lock:
             self._queue = [c for c in self._queue if c is not call]
+
+    def abandon(self, call: Call) -> bool:
+        """call taken off the queue if no round has taken it in yet (then no rank has seen it): whether it was."""
+        with self._lock:
+            if call.gathered or call not in self._queue:
+                return False
+            self._queue.remove(call)
+            return True
+
+    def close(self, why: str) -> None:
+        """Every queued call refused with why, its caller told; calls put later are refused at once."""
+        with self._lock:
+            queue, self._queue, self.closed = self._queue, [], why
+        for call in queue:
+            if not call.done.done():
+                call.done.set_exception(ValueError(f"adapter {', '.join(map(repr, call.names))}: {call.kind} was "
+                                                   f"not applied: {why}"))
 
     def drop_kind(self, kind: str, name: str) -> None:
         """Every queued call of kind about name dropped (a resolution that another rank's failure overtook)."""
@@ -95,7 +124,7 @@ class Calls:
         With a group, collectives every rank makes, in the same round: a step tries again while another rank
         is in an engine-thread call's round; that call is Deferred (left queued) instead."""
         with self._lock:
-            mine = list(self._queue)
+            mine = self._take()
             if self.group is None:  # taken at once: two threads applying never both take a call
                 self._queue.clear()
         if self.group is None:
@@ -108,7 +137,7 @@ class Calls:
             if round_ == SYNC:
                 raise Deferred("another rank was stepping")
             with self._lock:  # the other rank gives its round up and steps: try again, with what is queued now
-                mine = list(self._queue)
+                mine = self._take()
         if int(header[2]) == 0:
             return []
         everyone: list = [None] * dist.get_world_size(self.group)
@@ -118,21 +147,14 @@ class Calls:
     def _match(self, everyone: list, mine: list[Call]) -> list[Applied]:
         me, now = dist.get_rank(self.group), everyone[0][0]
         lists = [calls for _, calls in everyone]
-        # each rank's calls by (kind, names), in its order: the k-th of one rank goes with the k-th of each other
-        by_key = [{} for _ in lists]
-        for r, calls in enumerate(lists):
-            for i, (_, kind, names, _) in enumerate(calls):
-                by_key[r].setdefault((kind, names), []).append(i)
+        groups = _pairs(lists)
         applied, matched = [], [set() for _ in lists]
-        for i, (_, kind, names, _) in enumerate(lists[0]):
-            k = by_key[0][kind, names].index(i)
-            members = [by_key[r].get((kind, names), []) for r in range(len(lists))]
-            if any(len(m) <= k for m in members):
-                continue
-            for r in range(len(lists)):
-                matched[r].add(members[r][k])
-            seen = [lists[r][members[r][k]][3] for r in range(len(lists))]
-            call = mine[members[me][k]]
+        for i in sorted(groups):  # in rank 0's order
+            members = groups[i]
+            for r, j in enumerate(members):
+                matched[r].add(j)
+            seen = [lists[r][j][3] for r, j in enumerate(members)]
+            call = mine[members[me]]
             applied.append((call, outcome(call.checked, seen)))
         gone = set(matched[me])
         applied += self._late(lists, matched, now, mine, gone)
@@ -180,3 +202,29 @@ class Calls:
         return ValueError(f"adapter {', '.join(map(repr, names))}: {kind} was called on rank {r} but not on rank "
                           f"{others} within {self.within:g} s; with a process group every rank makes each call (the "
                           "engine's scheduler decides once), so it is not applied anywhere")
+
+
+def _pairs(lists: list[list[tuple]]) -> dict[int, list[int]]:
+    """Each call of rank 0 that every rank has made, with its index on each rank. Calls of one kind and names
+    are paired with those that checked the same files first (two reloads of a name queued in another order on
+    each rank are each paired with its own), then the rest: the k-th of one rank with the k-th of each other."""
+    groups: dict[int, list[int]] = {}
+    taken: list[set[int]] = [set() for _ in lists]
+    same_files, same_names = (lambda d: (d[1], d[2], repr(sorted(d[3].items())))), (lambda d: (d[1], d[2]))
+    for key in (same_files, same_names):
+        by_key: list[dict] = [{} for _ in lists]
+        for r, calls in enumerate(lists):
+            for i, d in enumerate(calls):
+                if i not in taken[r]:
+                    by_key[r].setdefault(key(d), []).append(i)
+        for i, d in enumerate(lists[0]):
+            if i in taken[0]:
+                continue
+            k = by_key[0][key(d)].index(i)
+            members = [by_key[r].get(key(d), []) for r in range(len(lists))]
+            if any(len(m) <= k for m in members):
+                continue
+            groups[i] = [m[k] for m in members]
+            for r, m in enumerate(members):
+                taken[r].add(m[k])
+    return groups

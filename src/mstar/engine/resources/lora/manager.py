@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import threading
 import time
 from collections import Counter
@@ -78,11 +79,10 @@ class LoraManager(Registrations):
         self._resolution = None if resolver is None else Resolution(
             resolver, lambda name, source: check_path(self.stores, name, source, disk=self.disk_tier), self._calls,
             unknown_for, timeout=resolver_timeout)
-        # calls.py's engine thread: the one that steps (before any step, the one that built it), unless steps
-        # came from more than one thread (a pool: no thread is the engine's) or engine_thread=False
+        # calls.py's engine thread: the one that stepped last (before any step, the one that built it), unless
+        # engine_thread=False
         self._engine: int | None = threading.get_ident()
         self._engine_thread = engine_thread
-        self._stepped_on: set[int] = set()
         self._stepping: int | None = None  # the thread in a step now
         self._rounds = threading.RLock()  # a step's collectives, or an engine-thread call's round: never interleaved
         device = next(iter(pools.values())).device
@@ -109,10 +109,7 @@ class LoraManager(Registrations):
         """This step's admissions, failures and slots (see Step). Never waits on a read."""
         me = threading.get_ident()
         with self._rounds:
-            self._stepping = me
-            if len(self._stepped_on) < 2:  # past two, the engine steps from a pool: the set stops growing
-                self._stepped_on.add(me)
-            self._engine = me if self._engine_thread else None
+            self._stepping, self._engine = me, me if self._engine_thread else None
             try:
                 return self._step(running, waiting)
             finally:
@@ -381,23 +378,27 @@ class LoraManager(Registrations):
         passed: whether they all did. An engine with nothing to run calls it (with a timeout, so that new
         requests are heard of) instead of stepping in a spin; tests, benchmarks and shutdown without one.
         Never within a step."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
                 pending = [e.reading for e in self._entries.values() if e.reading is not None]
+            until = deadline
             if self._resolution is not None:
+                self._resolution.expire()  # one past resolver_timeout fails (its failure applied at the next step)
                 pending += self._resolution.pending()
+                until = min(until, self._resolution.next_deadline())
             if not pending:
                 return True
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+            if deadline <= time.monotonic():
                 return False
-            wait(pending, timeout=left)
+            wait(pending, timeout=None if until == math.inf else max(0.0, until - time.monotonic()))
 
     def close(self) -> None:
-        """Wait for reads under way, stop the workers, and let go of the process group, so that it goes
-        with destroy_process_group rather than whenever the manager is collected (a gloo group destroyed
-        at interpreter exit can abort the process)."""
+        """Refuse the calls still queued (their callers told why), wait for reads under way, stop the workers,
+        and let go of the process group, so that it goes with destroy_process_group rather than whenever the
+        manager is collected (a gloo group destroyed at interpreter exit can abort the process). Calls made
+        after it are refused."""
+        self._calls.close("the manager was closed")
         self._workers.shutdown(wait=True)
         if self._resolution is not None:
             self._resolution.close()

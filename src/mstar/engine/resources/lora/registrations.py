@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .calls import SYNC, Deferred
+from .calls import SYNC, Call, Deferred
 from .disk_tier import DiskTier, default_tier
 from .registry import Version
 from .versions import Checked, check_path, check_pushed
@@ -76,15 +76,16 @@ class Registrations:
     def _call(self: LoraManager, kind: str, names: tuple[str, ...],
               checked: Mapping[str, Checked] | None = None) -> Any:
         """A call queued, then applied, and its outcome (a ValueError raised). Without a process group it is
-        applied at once. With one, a call from the engine thread (see _on_engine_thread) is agreed at once, as
-        every rank makes it at the same point of its loop; a call from any other thread waits for the next
-        step, which applies it on every rank alike (a call made on some ranks only is refused, after
-        agree_within seconds, never a hang). An engine-thread call made while another rank steps is Deferred:
-        it stays queued for the next step, and its caller is told so."""
+        applied at once (one thread's calls and steps at a time). With one, a call from the engine thread (see
+        _on_engine_thread) is agreed at once, as every rank makes it at the same point of its loop; a call from
+        any other thread waits for the next step, which applies it on every rank alike (a call made on some
+        ranks only is refused, after agree_within seconds, never a hang). An engine-thread call made while
+        another rank steps is Deferred: it stays queued for the next step, and its caller is told so."""
         call = self._calls.put(kind, names, checked)
         if self.group is None:
             while not call.done.done():  # another thread applying meanwhile may have taken it: until it is told
-                self._apply(SYNC)
+                with self._rounds:
+                    self._apply(SYNC)
         elif self._on_engine_thread():
             try:
                 while not call.done.done():  # until every rank has made it, or it waited past agree_within
@@ -99,19 +100,39 @@ class Registrations:
             except ValueError:
                 self._calls.drop(call)  # refused here: never applied later by a round it was not agreed in
                 raise
+        else:
+            return self._await(call)
         return call.done.result()
 
+    def _await(self: LoraManager, call: Call) -> Any:
+        """call's outcome, from a thread that is not the engine's: the next step's, or, where no round took
+        the call in within agree_within seconds (no step came: the caller may be the thread that would
+        make it), a refusal saying so, the call applied nowhere."""
+        while True:
+            try:
+                return call.done.result(timeout=self._calls.within)
+            except TimeoutError:
+                if self._calls.abandon(call):
+                    break
+        raise ValueError(
+            f"adapter {', '.join(map(repr, call.names))}: {call.kind} was queued on rank {dist.get_rank(self.group)} "
+            f"and no step took it in within {self._calls.within:g} s (agree_within), so it is not applied anywhere. "
+            "A call from a thread other than the one that stepped last waits for the next step: make it from the "
+            "thread that steps, or step meanwhile")
+
     def _on_engine_thread(self: LoraManager) -> bool:
-        """Whether this thread is the engine's: the one that steps (before any step, the one that built the
-        manager), while no step runs on another; never where steps came from more than one thread (an engine
-        stepping from a pool) or the manager was made with engine_thread=False."""
+        """Whether this thread is the engine's: the one that made the last step (before any step, the one that
+        built the manager), while no step runs on another; none once a manager made with engine_thread=False
+        has stepped. An engine that warms up on one thread and then steps on another has its engine thread
+        move with its steps."""
         me = threading.get_ident()
-        return (me == self._engine and len(self._stepped_on) < 2
-                and self._stepping in (None, me))
+        return me == self._engine and self._stepping in (None, me)
 
     def _apply(self: LoraManager, round_: int) -> None:
         """The calls every rank applies now, applied, in the order every rank applies them, and their callers
-        told."""
+        told. Resolutions past their time are failed first, so their failure is in this round."""
+        if self._resolution is not None:
+            self._resolution.expire()
         for call, result in self._calls.agree(round_):
             if call.kind in ("resolve", "forget"):
                 self._resolved(call.kind, call.names[0], result)
@@ -122,25 +143,25 @@ class Registrations:
                 if call.kind == "unregister":
                     for name in call.names:
                         self.registry.unregister(name)
+                        if self._resolution is not None:
+                            self._resolution.overtaken(name)
                 elif call.kind == "register":
                     for v in result.values():
                         self._register(v)
                         if self._resolution is not None:
-                            self._resolution.resolved.discard(v.name)
+                            self._resolution.overtaken(v.name)
             call.done.set_result(result)
-        if self._resolution is not None:
-            self._resolution.expire()
 
     def _resolved(self: LoraManager, kind: str, name: str, result: dict[str, Version] | ValueError) -> None:
         if kind == "forget":
             self._resolution.forget(name)  # type: ignore[union-attr]
-        elif isinstance(result, ValueError):
-            self._resolution.applied(name, result)  # type: ignore[union-attr]
-        else:
-            with self._lock:
-                if name not in self.registry:  # registered by a call meanwhile: that one stands
-                    self._register(result[name])
-            self._resolution.applied(name, None)  # type: ignore[union-attr]
+            return
+        with self._lock:
+            ours = name not in self.registry  # registered by a call meanwhile: that one stands, this is not heard
+            if ours and not isinstance(result, ValueError):
+                self._register(result[name])
+        self._resolution.applied(name, result if isinstance(result, ValueError) else None,  # type: ignore[union-attr]
+                                 heard=ours)
 
     def disk_tier(self: LoraManager) -> DiskTier:
         """Where remote adapters' files are kept on local disk: the one given, else disk_tier.default_tier()."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import os
 import threading
 import weakref
@@ -131,10 +132,12 @@ class Registry:
                     self._sorted = names
         at = 0 if after is None else bisect.bisect_right(names, after)
         out = []
-        for name in names[at : at + limit]:
+        for name in itertools.islice(names, at, None):  # past the names unregistered since the list was made
             v = self._current.get(name)
-            if v is not None:  # unregistered since the list was made
+            if v is not None:
                 out.append((v, self._failed.get(name)))
+                if len(out) == limit:
+                    break
         return out
 
     def __contains__(self, name: object) -> bool:

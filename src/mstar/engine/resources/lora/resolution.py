@@ -119,9 +119,24 @@ class Resolution:
             r.done.set_result(None)
             self._start()
 
-    def applied(self, name: str, error: ValueError | None) -> None:
-        """name's resolution applied at this step, on every rank: registered, or known to have no adapter. A
-        resolution of it still under way here (another rank's answer, or its lateness, came first) is not heard."""
+    def applied(self, name: str, error: ValueError | None, heard: bool = True) -> None:
+        """name's resolution applied at this step, on every rank: registered, or known to have no adapter
+        (unless not heard: a registration of the name came first, and stands). A resolution of it still under
+        way here (another rank's answer, or its lateness, came first) is not heard."""
+        self.overtaken(name, keep=True)
+        if not heard:
+            return
+        with self._lock:
+            if error is not None:
+                self._unknown[name] = (error, time.monotonic() + self.unknown_for)
+                self._expiring.append(name)
+            else:
+                self.resolved.add(name)
+
+    def overtaken(self, name: str, keep: bool = False) -> None:
+        """name registered or unregistered by a call, at a step every rank makes: its resolution under way is
+        not heard, and what a resolution left of it (a registration, a failure remembered) is let go, unless
+        keep (its own resolution applied)."""
         with self._lock:
             r = self._resolving.pop(name, None)
             if r is not None and not r.done.done():
@@ -129,15 +144,18 @@ class Resolution:
                 r.done.set_result(None)
                 self._start()
             self.calls.drop_kind("resolve", name)
-        if error is not None:
-            self._unknown[name] = (error, time.monotonic() + self.unknown_for)
-            self._expiring.append(name)
-        else:
-            self.resolved.add(name)
+            if not keep:
+                self.resolved.discard(name)
+                self._unknown.pop(name, None)
+
+    def next_deadline(self) -> float:
+        """When the first resolution under way runs out of time (monotonic clock; inf if none)."""
+        with self._lock:
+            return min((r.deadline for r in self._resolving.values() if not r.done.done()), default=math.inf)
 
     def expire(self) -> None:
         """Queue a failure for each resolution past its time, and a forget call for each unknown name whose
-        time ran out on this rank."""
+        time ran out on this rank. From any thread (a step, a call's round, wait_for_reads)."""
         now = time.monotonic()
         with self._lock:
             late = [(n, r) for n, r in self._resolving.items() if r.deadline <= now and not r.done.done()]
@@ -149,14 +167,15 @@ class Resolution:
                 r.done.set_result(None)
             if late:
                 self._start()
-        while self._expiring and (self._unknown.get(self._expiring[0], (None, 0.0))[1] <= now):
-            name = self._expiring.popleft()
-            if name in self._unknown:
-                self.calls.put("forget", (name,))
+            while self._expiring and (self._unknown.get(self._expiring[0], (None, 0.0))[1] <= now):
+                name = self._expiring.popleft()
+                if name in self._unknown:
+                    self.calls.put("forget", (name,))
 
     def forget(self, name: str) -> None:
-        self._unknown.pop(name, None)
-        self.calls.drop_kind("forget", name)
+        with self._lock:
+            self._unknown.pop(name, None)
+            self.calls.drop_kind("forget", name)
 
     def close(self, timeout: float = 5.0) -> None:
         """Wait up to timeout seconds for the resolutions under way (a hung resolver's thread is left to itself:
