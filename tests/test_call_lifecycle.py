@@ -295,3 +295,102 @@ def test_closing_a_manager_refuses_the_calls_waiting_on_it(tmp_path):
     assert not alive, "a caller still waits on a closed manager"
     assert results == ["adapter 'a': register was not applied: the manager was closed",
                        "adapter 'b': register was not applied: the manager was closed"]
+
+
+def wait_until(pred, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "never came"
+        time.sleep(0.01)
+
+
+def close_racing_rank(rank: int, world_size: int, rendezvous: str, path: str, out: str) -> None:
+    """Rank 0 closes its manager from another thread while its step's round (which took a call in) waits for
+    rank 1."""
+    m = ranked(rank, world_size, rendezvous, agree_within=5.0)
+    m.step([], [])
+    res = {}
+    caller = threading.Thread(target=lambda: res.__setitem__("caller", outcome(lambda: m.register("x", path))))
+    caller.start()  # waits for the next step
+    wait_until(lambda: len(m._calls) == 1)
+    if rank == 0:
+        stepping = threading.Thread(target=lambda: res.__setitem__("step", outcome(lambda: m.step([], []))))
+        stepping.start()  # takes the call in, then waits in its round for rank 1
+        time.sleep(0.5)
+        m.close()
+        stepping.join(15)
+    else:
+        time.sleep(1.5)
+        res["step"] = outcome(lambda: m.step([], []))
+    caller.join(15)
+    res["registered"] = "x" in m.registry
+    finish(m, world_size, res, out)
+
+
+def test_closing_a_manager_while_its_step_is_in_a_round_tells_the_caller_what_the_round_did(tmp_path):
+    _, path = make_adapter(tmp_path, name="x", seed=1, config=CONFIG)
+    r0, r1 = spawn(close_racing_rank, tmp_path, str(path), limit=90)
+    assert r0 == r1 == {"caller": "ok", "step": "ok", "registered": True}, \
+        "the round in flight finished before the close: applied on both ranks, and its caller told so"
+
+
+def reordered_rank(rank: int, world_size: int, rendezvous: str, files: list[str], out: str) -> None:
+    """Two reloads of one name from two threads, in one order on rank 0 and the other on rank 1, a step
+    between them."""
+    m = ranked(rank, world_size, rendezvous, agree_within=3.0)
+    m.step([], [])
+    res = {}
+    first, second = files if rank == 0 else files[::-1]
+    threads = [threading.Thread(target=lambda: res.__setitem__("first", outcome(lambda: m.register("x", first))))]
+    threads[0].start()
+    wait_until(lambda: len(m._calls) == 1)
+    m.step([], [])  # each rank with one reload queued, of other files
+    threads.append(threading.Thread(target=lambda: res.__setitem__("second", outcome(lambda: m.register("x", second)))))
+    threads[1].start()
+    wait_until(lambda: len(m._calls) >= 1)
+    for _ in range(3):
+        m.step([], [])
+    for t in threads:
+        t.join(10)
+    finish(m, world_size, (res, m.registry.resolve("x").digest), out)
+
+
+def test_two_reloads_in_another_order_on_each_rank_with_a_step_between_are_both_applied(tmp_path):
+    files = [str(make_adapter(tmp_path, name=f"f{i}", seed=i, config=CONFIG)[1]) for i in range(2)]
+    (res0, digest0), (res1, digest1) = spawn(reordered_rank, tmp_path, files, limit=90)
+    assert res0 == res1 == {"first": "ok", "second": "ok"}
+    spec = specs_from_config(CONFIG, max_rank=8, capacity=3)["language_model"]
+    assert digest0 == digest1 == check_adapter_file(spec, "x", files[1]), "rank 0's later reload is current"
+
+
+def late_loop_rank(rank: int, world_size: int, rendezvous: str, files: list[str], out: str) -> None:
+    """The loop thread registers before its first step while the warm-up's last step runs on main: on rank 1
+    that step takes the call in (unmatched), on rank 0 the call comes after it."""
+    m = ranked(rank, world_size, rendezvous, agree_within=2.0)
+    m.register("a", files[0])
+    m.step([], [])
+    res = {}
+
+    def loop() -> None:
+        if rank == 0:
+            time.sleep(0.6)
+        res["register"] = outcome(lambda: m.register("c", files[1]))
+        res["step"] = outcome(lambda: m.step([], []))
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    if rank == 1:
+        wait_until(lambda: len(m._calls) == 1)
+    m.step([], [])
+    t.join(30)
+    res["blocked"] = t.is_alive()
+    res["registered"] = "c" in m.registry
+    finish(m, world_size, res, out)
+
+
+def test_a_call_one_rank_took_in_and_another_did_not_is_refused_on_both_never_a_hang(tmp_path):
+    files = [str(make_adapter(tmp_path, name=f"f{i}", seed=i, config=CONFIG)[1]) for i in range(2)]
+    r0, r1 = spawn(late_loop_rank, tmp_path, files, limit=90)
+    for r, res in enumerate((r0, r1)):
+        assert not res["blocked"] and res["step"] == "ok" and not res["registered"], res
+        assert res["register"].startswith(f"adapter 'c': register was queued on rank {r} and no step took it in"), res

@@ -21,11 +21,13 @@ told so (Deferred): the next step applies it where every rank made it. Never cro
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,7 @@ from .versions import Checked, outcome
 
 STEP, SYNC = 1, 2  # the round a rank is in: a step, or a call made on the engine thread
 EVERYWHERE = ("resolve", "forget")  # kinds a rank applies whoever made them, once they are late
+GRACE = 1.0  # seconds a call waits for a partner that checked the same files before one that read others
 
 
 class Deferred(ValueError):
@@ -51,7 +54,8 @@ class Call:
     checked: Mapping[str, Checked] = field(default_factory=dict)
     seq: int = 0
     done: Future = field(default_factory=Future)
-    gathered: bool = False  # taken into a round of agreement: from then on the rounds decide it, not its caller
+    in_round: bool = False  # taken into a round of agreement now: the round decides it, not its caller
+    last_round: float = -math.inf  # when a round last took it in (this rank's monotonic clock)
 
     def describe(self) -> tuple:
         """What every rank sees of this call: kind, names, and each name's digest or refusal."""
@@ -85,31 +89,48 @@ class Calls:
             return call
 
     def _take(self) -> list[Call]:
-        """The queue as a round sees it (under the lock): each call in it gathered from now on."""
+        """The queue as a round sees it (under the lock): each call in it held by the round."""
+        now = time.monotonic()
         for c in self._queue:
-            c.gathered = True
+            c.in_round, c.last_round = True, now
         return list(self._queue)
+
+    def _release(self) -> None:
+        """The round over: the calls it left queued are their callers' to give up again (under the lock)."""
+        for c in self._queue:
+            c.in_round = False
 
     def drop(self, call: Call) -> None:
         with self._lock:
             self._queue = [c for c in self._queue if c is not call]
 
     def abandon(self, call: Call) -> bool:
-        """call taken off the queue if no round has taken it in yet (then no rank has seen it): whether it was."""
+        """call taken off the queue if no round holds it and none took it in for within seconds (no step came:
+        an unmatched call is applied nowhere, and once off this rank's queue no round can match it): whether
+        it was."""
         with self._lock:
-            if call.gathered or call not in self._queue:
+            if call.in_round or call not in self._queue or time.monotonic() - call.last_round < self.within:
                 return False
             self._queue.remove(call)
             return True
+
+    def settle(self, call: Call, result: Any) -> None:
+        """call's caller told its outcome (a ValueError raised), unless it was told already (a close racing)."""
+        with self._lock:
+            if call.done.done():
+                return
+            if isinstance(result, BaseException):
+                call.done.set_exception(result)
+            else:
+                call.done.set_result(result)
 
     def close(self, why: str) -> None:
         """Every queued call refused with why, its caller told; calls put later are refused at once."""
         with self._lock:
             queue, self._queue, self.closed = self._queue, [], why
         for call in queue:
-            if not call.done.done():
-                call.done.set_exception(ValueError(f"adapter {', '.join(map(repr, call.names))}: {call.kind} was "
-                                                   f"not applied: {why}"))
+            self.settle(call, ValueError(f"adapter {', '.join(map(repr, call.names))}: {call.kind} was not "
+                                         f"applied: {why}"))
 
     def drop_kind(self, kind: str, name: str) -> None:
         """Every queued call of kind about name dropped (a resolution that another rank's failure overtook)."""
@@ -135,10 +156,14 @@ class Calls:
             if int(header[0]) == -int(header[1]):
                 break
             if round_ == SYNC:
+                with self._lock:
+                    self._release()
                 raise Deferred("another rank was stepping")
             with self._lock:  # the other rank gives its round up and steps: try again, with what is queued now
                 mine = self._take()
         if int(header[2]) == 0:
+            with self._lock:
+                self._release()
             return []
         everyone: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, (time.monotonic(), [c.describe() for c in mine]), group=self.group)
@@ -147,7 +172,8 @@ class Calls:
     def _match(self, everyone: list, mine: list[Call]) -> list[Applied]:
         me, now = dist.get_rank(self.group), everyone[0][0]
         lists = [calls for _, calls in everyone]
-        groups = _pairs(lists)
+        grace = min(GRACE, self.within / 2)
+        groups = _pairs(lists, lambda i: now - self._first_seen.get((0, lists[0][i][0]), now) >= grace)
         applied, matched = [], [set() for _ in lists]
         for i in sorted(groups):  # in rank 0's order
             members = groups[i]
@@ -161,6 +187,7 @@ class Calls:
         with self._lock:
             taken = {id(mine[i]) for i in gone}
             self._queue = [c for c in self._queue if id(c) not in taken]
+            self._release()
         return applied
 
     def _late(self, lists: list, matched: list[set[int]], now: float, mine: list[Call], gone: set[int]) \
@@ -187,7 +214,7 @@ class Calls:
                     if r == me:
                         gone.add(i)
                 elif r == me:
-                    mine[i].done.set_exception(why)
+                    self.settle(mine[i], why)
                     gone.add(i)
         for key in [k for k in self._first_seen if k not in seen]:  # dropped by their ranks meanwhile
             del self._first_seen[key]
@@ -204,10 +231,12 @@ class Calls:
                           "engine's scheduler decides once), so it is not applied anywhere")
 
 
-def _pairs(lists: list[list[tuple]]) -> dict[int, list[int]]:
+def _pairs(lists: list[list[tuple]], ripe: Callable[[int], bool]) -> dict[int, list[int]]:
     """Each call of rank 0 that every rank has made, with its index on each rank. Calls of one kind and names
     are paired with those that checked the same files first (two reloads of a name queued in another order on
-    each rank are each paired with its own), then the rest: the k-th of one rank with the k-th of each other."""
+    each rank, in one round or across two, are each paired with its own), then the rest: the k-th of one rank
+    with the k-th of each other, where a rank refused its check at once, and where the ranks read different
+    weights only once rank 0's call is ripe (it waited GRACE seconds for a partner of the same files)."""
     groups: dict[int, list[int]] = {}
     taken: list[set[int]] = [set() for _ in lists]
     same_files, same_names = (lambda d: (d[1], d[2], repr(sorted(d[3].items())))), (lambda d: (d[1], d[2]))
@@ -224,7 +253,11 @@ def _pairs(lists: list[list[tuple]]) -> dict[int, list[int]]:
             members = [by_key[r].get(key(d), []) for r in range(len(lists))]
             if any(len(m) <= k for m in members):
                 continue
-            groups[i] = [m[k] for m in members]
+            pair = [m[k] for m in members]
+            refused = any(isinstance(c, str) for r, j in enumerate(pair) for c in lists[r][j][3].values())
+            if key is same_names and not refused and not ripe(i):
+                continue
+            groups[i] = pair
             for r, m in enumerate(members):
                 taken[r].add(m[k])
     return groups

@@ -398,11 +398,18 @@ class LoraManager(Registrations):
         and let go of the process group, so that it goes with destroy_process_group rather than whenever the
         manager is collected (a gloo group destroyed at interpreter exit can abort the process). Calls made
         after it are refused."""
-        self._calls.close("the manager was closed")
+        # between rounds, never within one (a step's round on another thread finishes first); a round stuck on
+        # a rank that is gone is waited for at most agree_within
+        between = self._rounds.acquire(timeout=max(self._calls.within, 1.0))
+        try:
+            self._calls.close("the manager was closed")
+            self.group = self._calls.group = None
+        finally:
+            if between:
+                self._rounds.release()
         self._workers.shutdown(wait=True)
         if self._resolution is not None:
             self._resolution.close()
-        self.group = self._calls.group = None
 
 
 def _recoverable(error: ValueError, v: Version) -> ValueError:

@@ -137,7 +137,7 @@ class Registrations:
             if call.kind in ("resolve", "forget"):
                 self._resolved(call.kind, call.names[0], result)
             elif isinstance(result, ValueError):
-                call.done.set_exception(result)
+                self._calls.settle(call, result)
                 continue
             with self._lock:
                 if call.kind == "unregister":
@@ -150,7 +150,7 @@ class Registrations:
                         self._register(v)
                         if self._resolution is not None:
                             self._resolution.overtaken(v.name)
-            call.done.set_result(result)
+            self._calls.settle(call, result)
 
     def _resolved(self: LoraManager, kind: str, name: str, result: dict[str, Version] | ValueError) -> None:
         if kind == "forget":
