@@ -394,3 +394,39 @@ def test_a_call_one_rank_took_in_and_another_did_not_is_refused_on_both_never_a_
     for r, res in enumerate((r0, r1)):
         assert not res["blocked"] and res["step"] == "ok" and not res["registered"], res
         assert res["register"].startswith(f"adapter 'c': register was queued on rank {r} and no step took it in"), res
+
+
+def same_round_rank(rank: int, world_size: int, rendezvous: str, root: str, mine: str, out: str) -> None:
+    """A user's registration of x and x's resolution, both queued before one step, on both ranks."""
+    folders, release = FolderResolver(root), threading.Event()
+
+    def resolver(name):
+        release.wait(30)
+        return folders(name)
+
+    m = ranked(rank, world_size, rendezvous, resolver=resolver, agree_within=10.0)
+    m.step([], [Request(1, "x")])  # its resolution under way
+    res = {}
+    caller = threading.Thread(target=lambda: res.__setitem__("register", outcome(lambda: m.register("x", mine))))
+    caller.start()
+    wait_until(lambda: len(m._calls) == 1)
+    release.set()
+    wait_until(lambda: len(m._calls) == 2)  # the resolution's answer queued behind the registration
+    for _ in range(100):
+        step = m.step([], [Request(2, "x")])
+        if step.admitted or step.failed:
+            break
+        time.sleep(0.01)
+    caller.join(10)
+    finish(m, world_size, (res, m.registry.resolve("x").digest, step.digest.get(2)), out)
+
+
+def test_a_registration_and_a_resolution_of_one_name_in_one_round_leave_the_registration(tmp_path):
+    make_adapter(tmp_path / "folders", name="x", seed=1, config=CONFIG)
+    _, mine = make_adapter(tmp_path / "mine", name="x", seed=2, config=CONFIG)
+    (res0, current0, served0), (res1, current1, served1) = spawn(same_round_rank, tmp_path,
+                                                                 str(tmp_path / "folders"), str(mine), limit=90)
+    spec = specs_from_config(CONFIG, max_rank=8, capacity=3)["language_model"]
+    assert res0 == res1 == {"register": "ok"}
+    assert current0 == current1 == served0 == served1 == check_adapter_file(spec, "x", mine), \
+        "the user's file is served, not the resolver's"
