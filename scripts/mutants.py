@@ -56,6 +56,8 @@ TESTS: dict[str, tuple[str, ...]] = {
     "header_json.py": (f"{T}safetensors_header.py",),
     "checkpoint.py": (f"{T}header_memory.py", f"{T}check.py"),
     "keys.py": (f"{T}trainers.py", f"{T}check.py", f"{T}flux.py"),
+    **{m: (f"{T}call_lifecycle.py", f"{T}call_faults.py", f"{T}manager_calls.py")
+       for m in ("calls.py", "registrations.py", "resolution.py", "registry.py")},
     **{f"models/{m}.py": (f"{T}derived_rules.py", f"{T}derived_builders.py", f"{T}derived_sweep.py")
        for m in ("sites", "rules", "derived")},
 }
@@ -441,4 +443,29 @@ MUTANTS: list[Mutant] = [
       "(s.prefix, s.parent, g.layers, s.in_features)", "siblings the plan shards apart fused into one target"),
     M("derived.keys-nesting-reversed", "models/derived.py", "params[len(params) - 1 - depth]", "params[depth]",
       "PEFT's nested wrappers read outermost first: gate_up's factors as down's"),
+    # --- calls over a manager's life (issue 27) ---
+    M("calls.round-pins-for-ever", "calls.py", "            c.in_round = False\n", "            pass\n",
+      "a call one rank's round took in (unmatched) is never given up there: its loop thread waits for ever"),
+    M("calls.reloads-by-name-only", "calls.py", "for key in (same_files, same_names):", "for key in (same_names,):",
+      "two reloads queued in another order on two ranks are crossed and both refused"),
+    M("calls.no-grace", "calls.py", "and not refused and not ripe(i):", "and not refused and False:",
+      "a reload is paired with another file's at once, though its own partner comes a step later"),
+    M("registrations.resolution-overrides-user", "registrations.py", "ours = name not in self.registry",
+      "ours = True", "a resolution applied in the round of a user's registration serves the resolver's file"),
+    M("resolution.unregister-keeps-record", "resolution.py", "                self.resolved.discard(name)\n",
+      "                pass\n", "an unregistered name stays among the resolved (memory never given back)"),
+    M("manager.wait-ignores-timeout", "manager.py", "self._resolution.expire()  # one past",
+      "pass  # one past", "wait_for_reads waits on a resolver that hangs past resolver_timeout",
+      tests=(f"{T}call_lifecycle.py",)),
+    M("manager.close-mid-round", "manager.py",
+      "between = self._rounds.acquire(timeout=max(self._calls.within, 1.0))", "between = False",
+      "close tells a caller its call was not applied while the round in flight applies it",
+      tests=(f"{T}call_lifecycle.py",)),
+    M("registry.page-short", "registry.py", "                if len(out) == limit:\n                    break\n",
+      "                if len(out) == limit:\n                    break\n            elif len(out) + 1 < limit:\n"
+      "                break\n", "a listing ends early where names were unregistered under it"),
+    M("calls.abandon-while-rounds-run", "calls.py", " or time.monotonic() - call.last_round < self.within:", ":",
+      "a call given up by its caller while steps still take it in",
+      equivalent="a call rounds still take in is refused by _late after agree_within from its first gathering, "
+                 "before its caller's own agree_within runs out; either way it is applied nowhere"),
 ]
