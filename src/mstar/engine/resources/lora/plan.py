@@ -24,8 +24,8 @@ from .checkpoint import Checkpoint
 from .experts import checkpoint_orientations
 from .layout import SlotLayout
 from .rows import Batch, Reads, Table, batches, compile_table, skew
-from .safetensors_header import TensorEntry
-from .spec import LoraSpec, LoraTarget, as_linear
+from .safetensors_header import TensorEntry, torch_dtypes
+from .spec import Location, LoraSpec, LoraTarget, as_linear
 
 if TYPE_CHECKING:
     import torch
@@ -240,21 +240,37 @@ def host_bytes(ckpt: Checkpoint, layout: SlotLayout) -> int:
 
 def served_targets(ckpt: Checkpoint, spec: LoraSpec) -> tuple[str, ...]:
     """The targets of spec the checkpoint's modules fill, in the spec's order: the blocks its copy holds."""
-    found = {loc.target for module in ckpt.modules(spec.convert_keys) if (loc := spec.locate(module)) is not None}
+    return _targets_of(spec, (loc for _, loc, _, _ in placed_modules(ckpt, spec)))
+
+
+def _targets_of(spec: LoraSpec, locations: Iterable[Location]) -> tuple[str, ...]:
+    found = {loc.target for loc in locations}
     return tuple(n for n in spec.targets if n in found)
+
+
+def placed_modules(ckpt: Checkpoint, spec: LoraSpec) -> list[tuple[str, Location, TensorEntry, TensorEntry]]:
+    """(module, its location, A, B) of every module spec maps, by name: once per header and spec."""
+    key = ("placed", spec)
+    memo = ckpt.header.memo
+    if key not in memo:
+        locate = spec.locate
+        placed = []
+        for module, keys in sorted(ckpt.modules(spec.convert_keys).items()):
+            loc = locate(module)
+            if loc is not None:
+                placed.append((module, loc, keys.roles["A"], keys.roles["B"]))
+        memo[key] = placed
+    return memo[key]
 
 
 def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
     spec = layout.spec
-    placed = []
-    for module, keys in sorted(ckpt.modules(spec.convert_keys).items()):
-        loc = spec.locate(module)
-        if loc is not None:
-            placed.append((module, loc, keys.roles["A"], keys.roles["B"]))
-    targets = served_targets(ckpt, spec)
+    placed = placed_modules(ckpt, spec)
+    targets = _targets_of(spec, (loc for _, loc, _, _ in placed))
     ways = checkpoint_orientations(spec, ckpt)
+    experts = {n for n, t in spec.targets.items() if t.experts is not None}
     stacked = [Stacked(m, A, B, loc.target, loc.layer, ways[m])
-               for m, loc, A, B in placed if spec.targets[loc.target].experts is not None and loc.slice is None]
+               for m, loc, A, B in placed if loc.slice is None and loc.target in experts] if experts else []
     stacked_modules = {st.module for st in stacked}
     placed_alone = [p for p in placed if p[0] not in stacked_modules] if stacked else placed
     t = compile_table(placed_alone, layout)
@@ -275,7 +291,13 @@ def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
     return Plan(layout, targets, SKEW + layout.nbytes(targets), skew(direct, item, SKEW), t, direct, dense_reads,
                 tuple(spread), tuple(dense), mapped, _batches(direct), _batches(staged_reads), staging, partial,
                 max(ranks, default=0), tuple(module for module, _, _, _ in placed), tuple(stacked),
-                tuple((m, loc.target, A.torch_dtype == layout.dtype) for m, loc, A, _ in placed), tuple(whole_at))
+                _owners(placed, layout), tuple(whole_at))
+
+
+def _owners(placed: list, layout: SlotLayout) -> tuple[tuple[str, str, bool], ...]:
+    """(module, its target, whether it is in the store's dtype) of every placed module."""
+    same = {name for name, dtype in torch_dtypes().items() if dtype == layout.dtype}
+    return tuple((m, loc.target, A.dtype in same) for m, loc, A, _ in placed)
 
 
 def torch_list(rows: torch.Tensor) -> list[int]:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from .safetensors_header import TensorEntry
+from .safetensors_header import TensorEntry, torch_dtypes
 from .spec import as_linear
 
 if TYPE_CHECKING:
@@ -72,22 +72,17 @@ def compile_table(placed: Sequence[tuple[str, tuple[str, int, object], TensorEnt
 
     names = tuple(layout.spec.targets)
     index = {n: i for i, n in enumerate(names)}
-    same = layout.dtype
-    templates: dict[tuple, int] = {}
-    compiled: list[Template] = []
-    which, layers, a_starts, b_starts = [], [], [], []
-    for _, (target, layer, s_), A, B in placed:
-        key = (target, s_, A.shape, B.shape, A.dtype, B.dtype)
-        t = templates.get(key)
-        if t is None:
-            t = templates[key] = len(compiled)
-            r, cols = as_linear(A.shape)
-            compiled.append(Template(index[target], r, cols, A.torch_dtype == same,
-                                     _cuts(layout.targets[target], s_)))
-        which.append(t)
-        layers.append(layer)
-        a_starts.append(A.start)
-        b_starts.append(B.start)
+    ids: dict[tuple, int] = {}
+    # unpacked, not read by attribute: the one pass over the modules, a few hundred ns each
+    rows_of = [((target, s_, a_shape, b_shape, a_dtype, b_dtype), layer, a_start, b_start) for
+               _, (target, layer, s_), (a_dtype, a_shape, a_start, _), (b_dtype, b_shape, b_start, _) in placed]
+    keys, layers, a_starts, b_starts = zip(*rows_of, strict=True) if rows_of else ((), (), (), ())
+    which = [ids.setdefault(k, len(ids)) for k in keys]
+    same = {name for name, dtype in torch_dtypes().items() if dtype == layout.dtype}
+    compiled = []
+    for target, s_, a_shape, _, a_dtype, _ in ids:  # in the order of their indices
+        r, cols = as_linear(a_shape)
+        compiled.append(Template(index[target], r, cols, a_dtype in same, _cuts(layout.targets[target], s_)))
     per_module = torch.tensor(which, dtype=torch.int64)
     counts = torch.tensor([len(t.cuts) for t in compiled], dtype=torch.int64)
     # each template's cuts flattened, and per module the first of its template's
