@@ -13,7 +13,8 @@ from mstar.engine.resources.lora.checkpoint import digit_blind, module_rules
 NAMES = [f"base_model.model.model.layers.{layer}.{part}" for layer in (0, 1, 7, 10, 12, 31)
          for part in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj", "mlp.gate_up_proj",
                       *(f"mlp.experts.{e}.{p}" for e in (0, 3, 9, 11, 100) for p in ("gate_proj", "down_proj")))]
-NAMES += ["lm_head", "layers.1", "model.7", "x.1.q_proj\n", "a.b\n.1.q_proj", "12", "layers.0.attn1.to_q",
+NAMES += ["lm_head", "layers.1", "model.7", "layers.1.\udc80q_proj", "layers.2.é.q_proj",
+          "x.1.q_proj\n", "a.b\n.1.q_proj", "12", "layers.0.attn1.to_q",
           "layers.0.attn2.to_q", "layers.0.ff.net.0.proj", "layers.0.ff.net.2"]
 
 CONFIGS = [

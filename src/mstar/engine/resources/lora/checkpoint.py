@@ -203,6 +203,8 @@ class Checkpoint:
 
     def _module_scalings(self, convert_keys: ConvertKeys, alphas: dict[str, float]) -> dict[str, float]:
         out, rules = {}, self.module_rules(convert_keys)
+        if not alphas and self.config is not None:  # the config's alone: its rules' scalings
+            return {module: rules[module].scaling for module in self.modules(convert_keys)}
         for module, keys in self.modules(convert_keys).items():
             a = keys.roles.get("A")
             r = a.shape[0] if a is not None and a.shape else 0
@@ -238,7 +240,7 @@ class Checkpoint:
 
 # A module's template: its name with every digit a 0, so every layer's and expert's module of one kind
 # shares one (layers.3 and layers.7 do, layers.3 and layers.12 do not: their lengths differ).
-_ZEROS = str.maketrans("123456789", "000000000")
+_ZEROS = bytes.maketrans(b"123456789", b"000000000")  # bytes.translate: 10x str.translate
 _DIGIT = re.compile(r"[0-9]")
 _WORDS = re.compile(r"[A-Za-z_.\-]+")  # a rank_pattern / alpha_pattern key of names alone, no digit
 
@@ -248,7 +250,7 @@ def module_rules(config: AdapterConfig, modules: list[str]) -> dict[str, ModuleR
     module's digits from another's (digit_blind): every module of a template then gets its rule."""
     if not digit_blind(config):
         return config.module_rules(modules)
-    templates = [m.translate(_ZEROS) for m in modules]
+    templates = [m.encode("utf-8", "surrogatepass").translate(_ZEROS) for m in modules]
     first = dict(zip(templates, modules, strict=True))  # a template -> one of its modules (the last)
     rules = config.module_rules(list(first.values()))
     by_template = {t: rules[m] for t, m in first.items()}

@@ -208,6 +208,8 @@ def node_scaling(scalings: Mapping[str, float], modules: Iterable[str]) -> float
 def _folds(p: Plan, scalings: Mapping[str, float]) -> Folds:
     scaling = node_scaling(scalings, p.modules)
     ratios = {m: scalings[m] / scaling for m in p.modules if scalings[m] != scaling}
+    if not ratios:  # every module at the node's scaling (an expert node at a rank of its own): nothing folds
+        return Folds(scaling, {}, {})
     # Targets whose every module has one ratio and was copied exactly (in the store's dtype) fold their
     # whole b in place at once: a Qwen3-MoE adapter's experts at a rank of their own, 55,000 folds become one.
     seen: dict[str, set[tuple[float, bool]]] = {}

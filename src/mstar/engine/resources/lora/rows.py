@@ -67,20 +67,21 @@ class Table:
 def compile_table(placed: Sequence[tuple[str, tuple[str, int, object], TensorEntry, TensorEntry]],
                   layout: SlotLayout) -> Table:
     """The Table of placed modules (module, its location, A, B): one template per distinct target, slice,
-    shapes and dtypes; per module, its template's index, its layer and its tensors' starts."""
+    shapes and A's dtype (B's is A's, or the check refused the module); per module, its template's index, its
+    layer and its tensors' starts."""
     import torch
 
     names = tuple(layout.spec.targets)
     index = {n: i for i, n in enumerate(names)}
     ids: dict[tuple, int] = {}
     # unpacked, not read by attribute: the one pass over the modules, a few hundred ns each
-    rows_of = [((target, s_, a_shape, b_shape, a_dtype, b_dtype), layer, a_start, b_start) for
-               _, (target, layer, s_), (a_dtype, a_shape, a_start, _), (b_dtype, b_shape, b_start, _) in placed]
+    rows_of = [((target, s_, a_shape, b_shape, a_dtype), layer, a_start, b_start) for
+               _, (target, layer, s_), (a_dtype, a_shape, a_start, _), (_, b_shape, b_start, _) in placed]
     keys, layers, a_starts, b_starts = zip(*rows_of, strict=True) if rows_of else ((), (), (), ())
     which = [ids.setdefault(k, len(ids)) for k in keys]
     same = {name for name, dtype in torch_dtypes().items() if dtype == layout.dtype}
     compiled = []
-    for target, s_, a_shape, _, a_dtype, _ in ids:  # in the order of their indices
+    for target, s_, a_shape, _, a_dtype in ids:  # in the order of their indices
         r, cols = as_linear(a_shape)
         compiled.append(Template(index[target], r, cols, a_dtype in same, _cuts(layout.targets[target], s_)))
     per_module = torch.tensor(which, dtype=torch.int64)
