@@ -46,6 +46,14 @@ def _answer(fn) -> dict:
         return {"refused": str(e)}
 
 
+def _host_bytes(store, path: Path) -> int:
+    from mstar.engine.resources.lora.checkpoint import open_checkpoint
+    from mstar.engine.resources.lora.plan import host_bytes
+
+    with open_checkpoint(path) as ckpt:
+        return host_bytes(ckpt, store.layout)
+
+
 def read_case(case: dict) -> dict:
     """One case's answers: the check's digest, then per node and rank a read without a digest, one with it,
     and one more with it (which checks fingerprints instead of hashing)."""
@@ -76,6 +84,8 @@ def read_case(case: dict) -> dict:
                     return _copy(s.read_tensors("ad", tensors, config, d))
                 return _copy(s.read("ad", path, d))
 
+            if not push:  # what a load holds room for, from the header alone, before any check
+                out[f"{node}.{rank}.host_bytes"] = _answer(lambda store=store: {"bytes": _host_bytes(store(), path)})
             out[f"{node}.{rank}.plain"] = _answer(lambda store=store: read(store(), None))
             if "digest" in digest:
                 verified = _answer(store)

@@ -251,7 +251,8 @@ def _targets_of(spec: LoraSpec, locations: Iterable[Location]) -> tuple[str, ...
 
 
 def placed_modules(ckpt: Checkpoint, spec: LoraSpec) -> list[tuple[str, Location, TensorEntry, TensorEntry]]:
-    """(module, its location, A, B) of every module spec maps, by name: once per header and spec."""
+    """(module, its location, A, B) of every module spec maps, by name: once per header and spec. A or B is
+    None where the module lacks it (which its check refuses before any plan; host_bytes may come first)."""
     key = ("placed", spec)
     memo = ckpt.header.memo
     if key not in memo:
@@ -260,7 +261,7 @@ def placed_modules(ckpt: Checkpoint, spec: LoraSpec) -> list[tuple[str, Location
         for module, keys in sorted(ckpt.modules(spec.convert_keys).items()):
             loc = locate(module)
             if loc is not None:
-                placed.append((module, loc, keys.roles["A"], keys.roles["B"]))
+                placed.append((module, loc, keys.roles.get("A"), keys.roles.get("B")))
         memo[key] = placed
     return memo[key]
 
