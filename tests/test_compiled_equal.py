@@ -64,6 +64,13 @@ def _cases(root: Path) -> list[dict]:
     _, bf16 = make_adapter(root, name="bf16", config=llama, dtype=torch.bfloat16, r=8, lora_alpha=16)
     add(llama, bf16, {"max_rank": 8}, dtypes=("float32", "bfloat16"))
     add(llama, bf16, {"max_rank": 16}, sizes=(1, 4), dtypes=("bfloat16",))
+    # wide enough that a row target's A shard has rows of 1 KiB and more, read row by row (plan.SHARD_ROW)
+    wide = model_config("llama", hidden_size=512, intermediate_size=2048, num_hidden_layers=1, num_attention_heads=8,
+                        num_key_value_heads=8, head_dim=64)
+    _, wide_path = make_adapter(root, name="wide", config=wide, rank_pattern={"o_proj": 2}, alpha_pattern={"o_proj": 3})
+    add(wide, wide_path, {"max_rank": 4}, dtypes=("float32", "bfloat16"))
+    _, wide_bf16 = make_adapter(root, name="wide-bf16", config=wide, dtype=torch.bfloat16)
+    add(wide, wide_bf16, {"max_rank": 4}, dtypes=("bfloat16",))
     vl = model_config("qwen2_vl", num_attention_heads=8, num_key_value_heads=2, head_dim=8)
     _, vl_path = make_adapter(root, "qwen2_vl", name="vl", config=vl,
                               target_modules=[*LM_TARGETS, "qkv", "proj", "fc1", "fc2"], alpha_pattern={"o_proj": 3})

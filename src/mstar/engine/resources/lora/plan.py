@@ -38,6 +38,9 @@ BATCH_BYTES = 4 << 20  # reads are shared among threads in batches of about this
 # tensors start wherever its header ends. So the blocks start this far into their buffer, at the
 # offset that makes most bytes agree, and staged bytes are placed to agree too.
 SKEW = 64
+# A row target's A is cut by columns, so this rank's part of each of its rows lies apart from the next: a
+# row part at least this long is read alone (one preadv each), a shorter one with its whole tensor.
+SHARD_ROW = 1024
 
 
 class Piece(NamedTuple):
@@ -337,8 +340,9 @@ def _partial(t: Table, layout: SlotLayout, targets: tuple[str, ...], stacked: li
 
 def _sort(t: Table, layout: SlotLayout, targets: tuple[str, ...],
           ) -> tuple[Reads, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The pieces by how they are copied, over whole columns: the direct reads (with their place), and
-    masks of the rows whose A is staged, whose B is staged, whose A is mapped (a row target's column shard)."""
+    """The pieces by how they are copied, over whole columns: the direct reads (with their place), masks of
+    the rows whose A is staged and whose B is staged, and the rows whose A is mapped (a row target's column
+    shard staged whole: cast, or in rows too short to read alone)."""
     import torch
 
     offsets, R, item = layout.offsets(targets), layout.spec.max_rank, layout.dtype.itemsize
@@ -356,7 +360,17 @@ def _sort(t: Table, layout: SlotLayout, targets: tuple[str, ...],
               torch.zeros_like(pieces)).where(a_direct)
     b = Reads(t.b_start + t.b0 * t.r * item, (t.b1 - t.b0) * t.r * item,
               b_at + (t.layer * b_rows + t.b_to) * R * item, pieces, torch.ones_like(pieces)).where(b_direct)
-    return Reads.join([a, b]), whole & ~t.exact, ~b_direct, torch.nonzero(~whole).flatten()
+    # a row target's column shard of A, where a row of it is at least SHARD_ROW: each of its r rows read
+    # alone into its row of a[layer] (the rest of A, the other ranks' columns, is not read)
+    shard = ~whole & t.exact & ((t.c1 - t.c0) * item >= SHARD_ROW)
+    rows = torch.nonzero(shard).flatten()
+    reps = t.r[rows]
+    of = torch.repeat_interleave(rows, reps)
+    i = torch.arange(len(of), dtype=torch.int64) - torch.repeat_interleave(torch.cumsum(reps, 0) - reps, reps)
+    width = (t.c1 - t.c0)[of] * item
+    a_shard = Reads(t.a_start[of] + (i * t.cols[of] + t.c0[of]) * item, width,
+                    a_at[of] + (t.layer[of] * a_rows[of] + t.a_to[of] + i) * width, of, torch.zeros_like(of))
+    return Reads.join([a, a_shard, b]), whole & ~t.exact, ~b_direct, torch.nonzero(~whole & ~shard).flatten()
 
 
 def _dense(t: Table, layout: SlotLayout, targets: tuple[str, ...], direct: Reads) -> list[Dense]:
