@@ -5,7 +5,8 @@ The adapter puts rank 2 on every expert's gate, up and down (128 experts, 48 lay
 q, k, v and o, in bf16, saved two ways: as transformers 4's per-expert modules (36,864 expert tensors)
 and as PEFT's stacked target_parameters factors (one pair per layer and projection). The pool's
 max_rank is 16 for attention and 2 for experts. Ratios of medians of 9 interleaved runs, in one run;
-"warm" is a header seen before, as after the startup check. With --main SRC (a src folder of main's code,
+"warm" is a header seen before, as after the startup check. The order of the runs rotates from one round
+to the next, so none always runs first after another's memory was let go. With --main SRC (a src folder of main's code,
 say /tmp/main-ref/src), main's read runs side by side in the same process, its package copied under
 another name (mstar_main), so both read the same file in the same runs.
 """
@@ -17,15 +18,17 @@ import atexit
 import importlib
 import json
 import shutil
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Memcpy, cold, ms, settle_writes, side_by_side
+from common import Memcpy, cold, ms, settle_writes
 
 from mstar.engine.resources.lora import LoraAdapterStore, check_adapter_file, specs_from_config
 from mstar.engine.resources.lora.checkpoint import open_checkpoint
@@ -82,6 +85,18 @@ def write(root: Path, stacked: bool) -> Path:
     return path
 
 
+def rotated(fns: dict, repeat: int) -> dict[str, float]:
+    """Each function's median time over at least repeat rounds (whole rotations), each round running them all in
+    an order rotated by one."""
+    names, times = list(fns), {k: [] for k in fns}
+    for i in range(-(-repeat // len(names)) * len(names)):
+        for k in names[i % len(names):] + names[: i % len(names)]:
+            t = time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main_package(src: str, root: Path):
     """main's lora package from its src folder, copied under root as mstar_main so it imports beside this one."""
     shutil.copytree(Path(src) / "mstar", root / "mstar_main")
@@ -125,7 +140,7 @@ def main() -> None:
         def push(stores=stores, tensors=tensors, config=config, name=kind):  # as an RL loop syncs it every step
             return [s.read_tensors(name, tensors, config) for s in stores.values()]
 
-        t = side_by_side({"cold": cold(read), **fns, "warm": read, "memcpy": Memcpy(file), "push": push,
+        t = rotated({"cold": cold(read), **fns, "warm": read, "memcpy": Memcpy(file), "push": push,
                           "clone": lambda tensors=tensors: {k: v.clone() for k, v in tensors.items()}}, repeat=9)
         adapters = read()
         layout_bytes = sum(a.nbytes for a in adapters)
