@@ -5,23 +5,30 @@ The adapter puts rank 2 on every expert's gate, up and down (128 experts, 48 lay
 q, k, v and o, in bf16, saved two ways: as transformers 4's per-expert modules (36,864 expert tensors)
 and as PEFT's stacked target_parameters factors (one pair per layer and projection). The pool's
 max_rank is 16 for attention and 2 for experts. Ratios of medians of 9 interleaved runs, in one run;
-"warm" is a header seen before, as after the startup check.
+"warm" is a header seen before, as after the startup check. The order of the runs rotates from one round
+to the next, so none always runs first after another's memory was let go. With --main SRC (a src folder of main's code,
+say /tmp/main-ref/src), main's read runs side by side in the same process, its package copied under
+another name (mstar_main), so both read the same file in the same runs.
 """
 
 from __future__ import annotations
 
+import argparse
 import atexit
+import importlib
 import json
 import shutil
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Memcpy, cold, ms, settle_writes, side_by_side
+from common import Memcpy, cold, ms, settle_writes
 
 from mstar.engine.resources.lora import LoraAdapterStore, check_adapter_file, specs_from_config
 from mstar.engine.resources.lora.checkpoint import open_checkpoint
@@ -78,11 +85,34 @@ def write(root: Path, stacked: bool) -> Path:
     return path
 
 
+def rotated(fns: dict, repeat: int) -> dict[str, float]:
+    """Each function's median time over at least repeat rounds (whole rotations), each round running them all in
+    an order rotated by one."""
+    names, times = list(fns), {k: [] for k in fns}
+    for i in range(-(-repeat // len(names)) * len(names)):
+        for k in names[i % len(names):] + names[: i % len(names)]:
+            t = time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main_package(src: str, root: Path):
+    """main's lora package from its src folder, copied under root as mstar_main so it imports beside this one."""
+    shutil.copytree(Path(src) / "mstar", root / "mstar_main")
+    sys.path.insert(0, str(root))
+    return importlib.import_module("mstar_main.engine.resources.lora")
+
+
 def main() -> None:
+    args = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    args.add_argument("--main", metavar="SRC", help="main's src folder, read side by side")
+    args = args.parse_args()
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp())
     atexit.register(shutil.rmtree, root, True)
     specs = specs_from_config(PRESET, max_rank=R, max_expert_rank=R_EXPERT)
+    theirs = main_package(args.main, root) if args.main else None
     paths = {"per-expert": write(root, False), "stacked": write(root, True)}
     settle_writes()
     for kind, path in paths.items():
@@ -93,13 +123,24 @@ def main() -> None:
         def read(stores=stores, path=path, name=kind):
             return [s.read(name, path) for s in stores.values()]
 
+        fns = {}
+        if theirs is not None:
+            main_specs = theirs.specs_from_config(PRESET, max_rank=R, max_expert_rank=R_EXPERT)
+            main_stores = [theirs.LoraAdapterStore(s, pin=False) for s in main_specs.values()]
+
+            def main_cold(stores=main_stores, path=path, name=kind):
+                theirs.safetensors_header._HEADERS.clear()
+                return [s.read(name, path) for s in stores]
+
+            fns["main cold"] = main_cold
+
         tensors = load_file(file)
         config = json.loads((path / "adapter_config.json").read_text())
 
         def push(stores=stores, tensors=tensors, config=config, name=kind):  # as an RL loop syncs it every step
             return [s.read_tensors(name, tensors, config) for s in stores.values()]
 
-        t = side_by_side({"cold": cold(read), "warm": read, "memcpy": Memcpy(file), "push": push,
+        t = rotated({"cold": cold(read), **fns, "warm": read, "memcpy": Memcpy(file), "push": push,
                           "clone": lambda tensors=tensors: {k: v.clone() for k, v in tensors.items()}}, repeat=9)
         adapters = read()
         layout_bytes = sum(a.nbytes for a in adapters)
@@ -107,6 +148,9 @@ def main() -> None:
               f"tensors; layout {layout_bytes / 1e6:.0f} MB (experts {adapters[1].nbytes / 1e6:.0f} MB)")
         print(f"  read (both nodes) cold {ms(t['cold'])}, warm {ms(t['warm'])}; memcpy of the file {ms(t['memcpy'])} "
               f"-> {t['cold'] / t['memcpy']:.2f}x cold, {t['warm'] / t['memcpy']:.2f}x warm")
+        if fns:
+            print(f"  main's read cold {ms(t['main cold'])} -> {t['main cold'] / t['memcpy']:.2f}x; this branch's "
+                  f"{t['cold'] / t['main cold']:.2f}x main's")
         print(f"  pushed from memory (both nodes) {ms(t['push'])}; a clone of every tensor {ms(t['clone'])} -> "
               f"{t['push'] / t['clone']:.2f}x")
         assert digest

@@ -4,11 +4,13 @@ Run: .venv/bin/python benchmarks/bench_host.py
 Every figure is a ratio of medians (11 interleaved runs) from one run, page cache warm, so the
 machine's noise cancels out. "cold" is a header never seen before; "warm" one seen before, as for
 the second and later adapters of one training recipe (byte-identical headers), or a re-read after
-an eviction.
+an eviction. With --main SRC (a src folder of main's code), main's reads run side by side in the
+same process (its package copied as mstar_main, bench_experts.main_package).
 """
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import shutil
 import sys
@@ -20,6 +22,7 @@ import safetensors.torch
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_experts import main_package
 from common import Memcpy, cold, llama8b_spec, ms, side_by_side, status_kb, verdict, write_adapters
 
 from mstar.engine.resources.lora.store import LoraAdapterStore, check_adapter_file, inspect_adapter
@@ -43,7 +46,27 @@ def raw_hash(file: Path) -> bytes:
     return blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(file).digest()
 
 
+def main_reads(src: str, root: Path, large: Path) -> dict:
+    """main's reads of large, as the figures below time this branch's, named "main ..."."""
+    theirs = main_package(src, root)
+    spec = theirs.specs_from_config("llama-3.1-8b", max_rank=16)["language_model"]
+    digest = theirs.check_adapter_file(spec, "large", large)
+    ws1, ws8 = theirs.LoraAdapterStore(spec, pin=False), theirs.LoraAdapterStore(spec, rank=3, world_size=8, pin=False)
+
+    def cold_read():
+        theirs.safetensors_header._HEADERS.clear()
+        return ws1.read("large", large)
+
+    return {"main read cold": cold_read, "main read warm": lambda: ws1.read("large", large),
+            "main read+digest warm": lambda: ws1.read("large", large, digest),
+            "main ws8 warm": lambda: ws8.read("large", large),
+            "main ws8+digest warm": lambda: ws8.read("large", large, digest)}
+
+
 def main() -> None:
+    args = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    args.add_argument("--main", metavar="SRC", help="main's src folder, read side by side")
+    args = args.parse_args()
     torch.set_num_threads(1)  # one reader thread, as an engine's loader would use
     root = Path(tempfile.mkdtemp())  # removed at exit
     atexit.register(shutil.rmtree, root, True)
@@ -78,6 +101,7 @@ def main() -> None:
         "memcpy": Memcpy(file),
         "load_file+copy": LoadFileAndCopy(file),
         "hash": lambda: raw_hash(file),
+        **(main_reads(args.main, root, large) if args.main else {}),
     })
     print(f"baselines: memcpy of the file's bytes {ms(t['memcpy'])}; load_file + copy {ms(t['load_file+copy'])}; "
           f"BLAKE3 of the file on every core {ms(t['hash'])} ({size / t['hash'] / 1e9:.1f} GB/s)")
@@ -92,6 +116,14 @@ def main() -> None:
         if k == "warm":
             print(f"read with digest, rank 3 of 8, warm: {ms(t['ws8+digest warm'])} -> vs world size 1 with digest "
                   f"{verdict(t['ws8+digest warm'] / with_digest, 0.6)}")
+        if args.main:
+            theirs = t[f"main read {k}"]
+            print(f"main's read, world size 1, {k}: {ms(theirs)} -> vs memcpy {theirs / t['memcpy']:.2f}x; this "
+                  f"branch's {read / theirs:.2f}x main's")
+        if args.main and k == "warm":
+            theirs, mine = t["main ws8+digest warm"], t["ws8+digest warm"]
+            print(f"main's read with digest, rank 3 of 8, warm: {ms(theirs)} -> vs its world size 1 with digest "
+                  f"{theirs / t['main read+digest warm']:.2f}x; this branch's {mine / theirs:.2f}x main's")
         print(f"check_adapter_file, {k}: {ms(t[f'check {k}'])} -> throughput vs BLAKE3 alone "
               f"{verdict(t['hash'] / t[f'check {k}'], 0.8, at_least=True)}")
 

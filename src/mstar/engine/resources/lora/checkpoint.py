@@ -162,7 +162,7 @@ class Checkpoint:
         key = ("rules", convert_keys, repr(self.config))
         if key not in self.header.memo:
             try:
-                self.header.memo[key] = self.config.module_rules(list(self.modules(convert_keys)))
+                self.header.memo[key] = module_rules(self.config, list(self.modules(convert_keys)))
             except ValueError as e:
                 why = str(e)
             else:
@@ -203,6 +203,8 @@ class Checkpoint:
 
     def _module_scalings(self, convert_keys: ConvertKeys, alphas: dict[str, float]) -> dict[str, float]:
         out, rules = {}, self.module_rules(convert_keys)
+        if not alphas and self.config is not None:  # the config's alone: its rules' scalings
+            return {module: rules[module].scaling for module in self.modules(convert_keys)}
         for module, keys in self.modules(convert_keys).items():
             a = keys.roles.get("A")
             r = a.shape[0] if a is not None and a.shape else 0
@@ -234,6 +236,43 @@ class Checkpoint:
     @cached_property
     def _scalings(self) -> dict[ConvertKeys, dict[str, float]]:
         return {}
+
+
+# A module's template: its name with every digit a 0, so every layer's and expert's module of one kind
+# shares one (layers.3 and layers.7 do, layers.3 and layers.12 do not: their lengths differ).
+_ZEROS = bytes.maketrans(b"123456789", b"000000000")  # bytes.translate: 10x str.translate
+_DIGIT = re.compile(r"[0-9]")
+_WORDS = re.compile(r"[A-Za-z_.\-]+")  # a rank_pattern / alpha_pattern key of names alone, no digit
+
+
+def module_rules(config: AdapterConfig, modules: list[str]) -> dict[str, ModuleRule]:
+    """config.module_rules(modules), matched once per template where the config cannot tell one
+    module's digits from another's (digit_blind): every module of a template then gets its rule."""
+    if not digit_blind(config):
+        return config.module_rules(modules)
+    templates = [m.encode("utf-8", "surrogatepass").translate(_ZEROS) for m in modules]
+    first = dict(zip(templates, modules, strict=True))  # a template -> one of its modules (the last)
+    rules = config.module_rules(list(first.values()))
+    by_template = {t: rules[m] for t, m in first.items()}
+    return {m: by_template[t] for m, t in zip(modules, templates, strict=True)}
+
+
+def digit_blind(config: AdapterConfig) -> bool:
+    """Whether config's rule for a module is the same for every module of its template: its names
+    (target_modules, exclude_modules, target_parameters) hold no digit, and it has no regex but plain
+    rank_pattern / alpha_pattern keys of letters, _, - and dots without a digit. Such a name or key
+    matches a module's characters at fixed places, a dot any character, so it matches every digit
+    alike, and a template fixes where each digit is; none spends a Matching's budget, so no refusal
+    turns on how many modules are matched."""
+    if isinstance(config.target_modules, str) and config.target_modules.lower() != "all-linear":
+        return False
+    if isinstance(config.exclude_modules, str):
+        return False
+    names = [*(config.target_modules if isinstance(config.target_modules, frozenset) else ()),
+             *(config.exclude_modules or ()), *(config.target_parameters or ())]
+    keys = [*config.rank_pattern, *config.alpha_pattern]
+    return (not any(_DIGIT.search(n) for n in names)
+            and all(_WORDS.fullmatch(k) for k in keys))
 
 
 def decode_number(dtype: str, data: bytes) -> float | int:

@@ -65,6 +65,8 @@ def checkpoint_orientations(spec: LoraSpec, ckpt: Checkpoint) -> dict[str, Orien
     """stacked_orientations of a checkpoint's modules as spec reads them: once per header and spec, for its
     inspection and its plan alike."""
     key = ("orientations", spec)
+    if not any(t.experts is not None for t in spec.targets.values()):  # no stacked module to orient
+        return {}
     if key not in ckpt.header.memo:
         ckpt.header.memo[key] = stacked_orientations(spec, ckpt.modules(spec.convert_keys))
     return ckpt.header.memo[key]

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from .checkpoint import Checkpoint
 from .experts import checkpoint_orientations
-from .layout import SlotLayout, TargetLayout
+from .layout import SlotLayout
+from .rows import Batch, Reads, Table, batches, compile_table, skew
 from .safetensors_header import TensorEntry, torch_dtypes
-from .spec import LoraSpec, LoraTarget, as_linear
+from .spec import Location, LoraSpec, LoraTarget, as_linear
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +38,9 @@ BATCH_BYTES = 4 << 20  # reads are shared among threads in batches of about this
 # tensors start wherever its header ends. So the blocks start this far into their buffer, at the
 # offset that makes most bytes agree, and staged bytes are placed to agree too.
 SKEW = 64
+# A row target's A is cut by columns, so this rank's part of each of its rows lies apart from the next: a
+# row part at least this long is read alone (one preadv each), a shorter one with its whole tensor.
+SHARD_ROW = 1024
 
 
 class Piece(NamedTuple):
@@ -86,21 +90,21 @@ class Stacked(NamedTuple):
         return self.A.shape[0] // t.experts.count
 
 
-Run = tuple[int, tuple[tuple[int, int], ...]]  # one preadv: file offset, ((destination offset, bytes), ...)
-Batch = tuple[Run, ...]  # runs read one after another by one thread
-
-
 @dataclass(frozen=True, eq=False)
 class Plan:
     """How one header's adapter is copied into one layout: the same for every file with that header, and
-    all a read needs to know, so that it follows the plan over any source without asking the checkpoint."""
+    all a read needs to know, so that it follows the plan over any source without asking the checkpoint.
+    Its pieces are a Table's rows and its reads are columns (rows.py); only pieces staged one by one (cast,
+    or B at a rank of its own where its target is not dense) and mapped ones are objects."""
 
     layout: SlotLayout
     targets: tuple[str, ...]  # in buffer order
     nbytes: int  # the buffer's: the blocks, from skew on
     skew: int
-    direct: tuple[Read, ...]
-    staged: tuple[Read, ...]  # every read into the staging buffer
+    table: Table  # every piece, but for stacked experts'
+    direct: Reads  # into the blocks
+    dense_reads: Reads  # dense targets' B, into the staging buffer
+    spread_reads: tuple[Read, ...]  # the other staged pieces, copied one by one
     dense: tuple[Dense, ...]
     mapped: tuple[Piece, ...]
     batches: tuple[Batch, ...]  # direct reads
@@ -120,8 +124,38 @@ class Plan:
 
     def spread(self) -> list[Read]:
         """The staged reads copied piece by piece: all but the B of dense targets."""
-        dense = {d.target for d in self.dense}
-        return [r for r in self.staged if r.piece.role == "A" or r.piece.target not in dense]
+        return list(self.spread_reads)
+
+    @cached_property
+    def staged(self) -> tuple[Read, ...]:
+        """Every read of a piece into the staging buffer, as objects: dense targets' B, then the rest."""
+        d = self.dense_reads
+        dense = [Read(at, n, to, _piece(self.table, i, "B")) for at, n, to, i in
+                 zip(*(c.tolist() for c in (d.at, d.nbytes, d.to, d.piece)), strict=True)]
+        return (*dense, *self.spread_reads)
+
+    def module_ratios(self, reads: Reads, ratios: Mapping[str, float]) -> list[tuple[int, float]]:
+        """(read, ratio) for each of reads whose piece's module folds its own scaling by a ratio."""
+        if not ratios or not len(reads):
+            return []
+        import torch
+
+        index = self._module_index
+        mine = [(index[m], r) for m, r in ratios.items() if m in index]
+        if not mine:
+            return []
+        ratio = torch.zeros(len(self.table.modules), dtype=torch.float64)
+        has = torch.zeros(len(self.table.modules), dtype=torch.bool)
+        ids = torch.tensor([i for i, _ in mine], dtype=torch.int64)
+        ratio[ids] = torch.tensor([r for _, r in mine], dtype=torch.float64)
+        has[ids] = True
+        modules = self.table.module[reads.piece]
+        js = torch.nonzero(has[modules]).flatten()
+        return list(zip(js.tolist(), ratio[modules[js]].tolist(), strict=True))
+
+    @cached_property
+    def _module_index(self) -> dict[str, int]:
+        return {m: i for i, m in enumerate(self.table.modules)}
 
     @cached_property
     def ranks(self) -> dict[str, torch.Tensor]:
@@ -133,20 +167,28 @@ class Plan:
 
         out = {n: torch.zeros(self.layout.targets[n].target.layers, self.layout.targets[n].target.slices,
                               dtype=torch.int32) for n in self.targets}
-        for piece in [r.piece for r in (*self.direct, *self.staged)] + list(self.mapped):
-            if piece.role == "A":  # rows s*R : s*R + r of a[layer]
-                out[piece.target][piece.layer, piece.to_rows[0] // R] = piece.to_rows[1] - piece.to_rows[0]
+        t = self.table
+        for i, name in enumerate(t.names):
+            rows = torch.nonzero(t.target == i).flatten()
+            if len(rows):  # A's rows s*R : s*R + r of a[layer]
+                out[name][t.layer[rows], t.a_to[rows] // R] = t.r[rows].to(torch.int32)
         for st in self.stacked:  # every expert's slices at the module's rank
             out[st.target][st.layer] = st.rank(self.layout.spec.targets[st.target])
         return out
 
     def folds(self, scalings: Mapping[str, float]) -> Folds:
-        """How these modules' scalings go into the slots: once per distinct set of them."""
+        """How these modules' scalings go into the slots: once per distinct set of them, and without a look at
+        them for the very mapping given last (a header's scalings under its config, which every read of the
+        header is given: 18,624 lookups a read for the per-expert Qwen3-MoE adapter)."""
+        last = self._folds.get("last")
+        if last is not None and last[0] is scalings:
+            return last[1]
         key = tuple(scalings[m] for m in self.modules)
         if key not in self._folds:
             if len(self._folds) > 64:
                 self._folds.clear()
             self._folds[key] = _folds(self, scalings)
+        self._folds["last"] = (scalings, self._folds[key])
         return self._folds[key]
 
 
@@ -175,6 +217,8 @@ def node_scaling(scalings: Mapping[str, float], modules: Iterable[str]) -> float
 def _folds(p: Plan, scalings: Mapping[str, float]) -> Folds:
     scaling = node_scaling(scalings, p.modules)
     ratios = {m: scalings[m] / scaling for m in p.modules if scalings[m] != scaling}
+    if not ratios:  # every module at the node's scaling (an expert node at a rank of its own): nothing folds
+        return Folds(scaling, {}, {})
     # Targets whose every module has one ratio and was copied exactly (in the store's dtype) fold their
     # whole b in place at once: a Qwen3-MoE adapter's experts at a rank of their own, 55,000 folds become one.
     seen: dict[str, set[tuple[float, bool]]] = {}
@@ -207,146 +251,181 @@ def host_bytes(ckpt: Checkpoint, layout: SlotLayout) -> int:
 
 def served_targets(ckpt: Checkpoint, spec: LoraSpec) -> tuple[str, ...]:
     """The targets of spec the checkpoint's modules fill, in the spec's order: the blocks its copy holds."""
-    found = {loc.target for module in ckpt.modules(spec.convert_keys) if (loc := spec.locate(module)) is not None}
+    return _targets_of(spec, (loc for _, loc, _, _ in placed_modules(ckpt, spec)))
+
+
+def _targets_of(spec: LoraSpec, locations: Iterable[Location]) -> tuple[str, ...]:
+    found = {loc.target for loc in locations}
     return tuple(n for n in spec.targets if n in found)
+
+
+def placed_modules(ckpt: Checkpoint, spec: LoraSpec) -> list[tuple[str, Location, TensorEntry, TensorEntry]]:
+    """(module, its location, A, B) of every module spec maps, by name: once per header and spec. A or B is
+    None where the module lacks it (which its check refuses before any plan; host_bytes may come first)."""
+    key = ("placed", spec)
+    memo = ckpt.header.memo
+    if key not in memo:
+        locate = spec.locate
+        placed = []
+        for module, keys in sorted(ckpt.modules(spec.convert_keys).items()):
+            loc = locate(module)
+            if loc is not None:
+                placed.append((module, loc, keys.roles.get("A"), keys.roles.get("B")))
+        memo[key] = placed
+    return memo[key]
 
 
 def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
     spec = layout.spec
-    placed = []
-    for module, keys in sorted(ckpt.modules(spec.convert_keys).items()):
-        loc = spec.locate(module)
-        if loc is not None:
-            placed.append((module, loc, keys.roles["A"], keys.roles["B"]))
-    targets = served_targets(ckpt, spec)
+    placed = placed_modules(ckpt, spec)
+    targets = _targets_of(spec, (loc for _, loc, _, _ in placed))
     ways = checkpoint_orientations(spec, ckpt)
+    experts = {n for n, t in spec.targets.items() if t.experts is not None}
     stacked = [Stacked(m, A, B, loc.target, loc.layer, ways[m])
-               for m, loc, A, B in placed if spec.targets[loc.target].experts is not None and loc.slice is None]
+               for m, loc, A, B in placed if loc.slice is None and loc.target in experts] if experts else []
     stacked_modules = {st.module for st in stacked}
-    placed_alone = [p for p in placed if p[0] not in stacked_modules]
-    pieces = _pieces(placed_alone, layout)
-    direct, staged, mapped = _sort(pieces, layout, targets)
-    dense = _dense(pieces, layout, targets, direct)
+    placed_alone = [p for p in placed if p[0] not in stacked_modules] if stacked else placed
+    t = compile_table(placed_alone, layout)
+    direct, a_staged, b_staged, mapped_rows = _sort(t, layout, targets)
+    dense = _dense(t, layout, targets, direct)
+    mapped = tuple(_piece(t, i, "A") for i in torch_list(mapped_rows))
     whole = list({e.start: e for e in (*(q.entry for q in mapped), *(x for st in stacked for x in (st.A, st.B)))
                   }.values())
-    staged, dense, staging, whole_at = _stage(staged, dense, layout, whole)
+    dense_reads, spread, dense, staging, whole_at = _stage(t, a_staged, b_staged, dense, layout, whole)
     item = layout.dtype.itemsize
-    filled = Counter()
-    for a, b in pieces:
-        filled[a.target] += (a.rows[1] - a.rows[0]) * (a.columns[1] - a.columns[0])
-        filled[b.target] += (b.rows[1] - b.rows[0]) * (b.columns[1] - b.columns[0])
+    partial = _partial(t, layout, targets, stacked, {d.target for d in dense})
+    ranks = [int(t.r.max())] if len(t) else []
+    ranks += [st.rank(spec.targets[st.target]) for st in stacked]
+    staged_reads = Reads.join([dense_reads, Reads.of([r.at for r in spread], [r.nbytes for r in spread],
+                                                     [r.to for r in spread]),
+                               Reads.of([e.start for e, _ in whole_at], [e.nbytes for e, _ in whole_at],
+                                        [at for _, at in whole_at])])
+    return Plan(layout, targets, SKEW + layout.nbytes(targets), skew(direct, item, SKEW), t, direct, dense_reads,
+                tuple(spread), tuple(dense), mapped, _batches(direct), _batches(staged_reads), staging, partial,
+                max(ranks, default=0), tuple(module for module, _, _, _ in placed), tuple(stacked),
+                _owners(placed, layout), tuple(whole_at))
+
+
+def _owners(placed: list, layout: SlotLayout) -> tuple[tuple[str, str, bool], ...]:
+    """(module, its target, whether it is in the store's dtype) of every placed module."""
+    same = {name for name, dtype in torch_dtypes().items() if dtype == layout.dtype}
+    return tuple((m, loc.target, A.dtype in same) for m, loc, A, _ in placed)
+
+
+def torch_list(rows: torch.Tensor) -> list[int]:
+    return rows.flatten().tolist()
+
+
+def _piece(t: Table, i: int, role: str) -> Piece:
+    """Table row i's A or B as a Piece (the pieces copied one by one, and those staged whole)."""
+    m, target, layer, r, c0, c1, b0, b1, a_to, b_to = (int(t.columns[c][i]) for c in (
+        "module", "target", "layer", "r", "c0", "c1", "b0", "b1", "a_to", "b_to"))
+    A, B = t.entries[m]
+    if role == "A":
+        return Piece(t.modules[m], "A", A, (0, r), (c0, c1), t.names[target], layer, (a_to, a_to + r))
+    return Piece(t.modules[m], "B", B, (b0, b1), (0, r), t.names[target], layer, (b_to, b_to + b1 - b0))
+
+
+def _partial(t: Table, layout: SlotLayout, targets: tuple[str, ...], stacked: list[Stacked],
+             dense: set[str]) -> frozenset[str]:
+    """Targets, not dense, whose blocks the pieces and stacked experts do not fill."""
+    import torch
+
+    spec, item = layout.spec, layout.dtype.itemsize
+    filled = [0] * len(t.names)
+    if len(t):
+        weights = (t.r * (t.c1 - t.c0) + (t.b1 - t.b0) * t.r).double()
+        filled = torch.bincount(t.target, weights=weights, minlength=len(t.names)).long().tolist()
+    by_name = dict(zip(t.names, filled, strict=True))
     for st in stacked:  # every expert's rows at the module's rank, in every slice
         tl = layout.targets[st.target]
         r = st.rank(spec.targets[st.target])
-        filled[st.target] += r * tl.target.slices * tl.a_shape[2] + r * tl.b_shape[1]
-    dense_targets = {d.target for d in dense}
-    partial = frozenset(n for n in targets if n not in dense_targets
-                        and filled[n] < layout.targets[n].weight_bytes // item)
-    ranks = [as_linear(A.shape)[0] for _, _, A, _ in placed_alone] + [st.rank(spec.targets[st.target])
-                                                                     for st in stacked]
-    whole_reads = [Read(e.start, e.nbytes, at, None) for e, at in whole_at]
-    return Plan(layout, targets, SKEW + layout.nbytes(targets), _skew(direct, item), tuple(direct), tuple(staged),
-                tuple(dense), tuple(mapped), _batches(direct), _batches([*staged, *whole_reads]), staging, partial,
-                max(ranks, default=0), tuple(module for module, _, _, _ in placed), tuple(stacked),
-                tuple((m, loc.target, A.torch_dtype == layout.dtype) for m, loc, A, _ in placed), tuple(whole_at))
+        by_name[st.target] += r * tl.target.slices * tl.a_shape[2] + r * tl.b_shape[1]
+    return frozenset(n for n in targets if n not in dense and by_name[n] < layout.targets[n].weight_bytes // item)
 
 
-def _pieces(placed: list, layout: SlotLayout) -> list[tuple[Piece, Piece]]:
-    """(A, B) pieces of every placed module and slice, cut by the sharding rule: worked out once per target
-    and slice it covers (the same for every layer and expert on it), then only the module's rank put in."""
-    out = []
-    cuts: dict[tuple[str, object], list[tuple[tuple[int, int], tuple[int, int], int, int]]] = {}
-    for module, (target, layer, s_), A, B in placed:
-        cut = cuts.get((target, s_))
-        if cut is None:
-            cut = cuts[target, s_] = _cuts(layout.targets[target], s_)
-        r = as_linear(A.shape)[0]
-        for columns, b_rows, a_to, b_to in cut:
-            out.append((Piece(module, "A", A, (0, r), columns, target, layer, (a_to, a_to + r)),
-                        Piece(module, "B", B, b_rows, (0, r), target, layer, (b_to, b_to + b_rows[1] - b_rows[0]))))
-    return out
+def _sort(t: Table, layout: SlotLayout, targets: tuple[str, ...],
+          ) -> tuple[Reads, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pieces by how they are copied, over whole columns: the direct reads (with their place), masks of
+    the rows whose A is staged and whose B is staged, and the rows whose A is mapped (a row target's column
+    shard staged whole: cast, or in rows too short to read alone)."""
+    import torch
 
-
-def _cuts(tl: TargetLayout, s_: object) -> list[tuple[tuple[int, int], tuple[int, int], int, int]]:
-    """For a module on slices s_ of tl's target, per slice it covers: A's input columns this rank holds (all
-    of them unless row-parallel), the rows of the module's B that are this rank's rows of that slice (found
-    where the slice starts in B), and where A's and B's rows go in a[layer] and b[layer]."""
-    t, out = tl.target, []
-    starts = t.module_rows(s_)
-    for s in t.covered(s_):
-        (r0, r1), src = tl.shard.rows[s], starts[s]
-        out.append((tl.shard.columns, (src + r0, src + r1), tl.a_rows(s).start, tl.b_rows(s).start))
-    return out
-
-
-def _sort(pieces: list[tuple[Piece, Piece]], layout: SlotLayout, targets: tuple[str, ...],
-          ) -> tuple[list[Read], list[Piece], list[Piece]]:
-    """Pieces by how they are copied: direct reads (with their place), pieces to stage, pieces to map."""
     offsets, R, item = layout.offsets(targets), layout.spec.max_rank, layout.dtype.itemsize
     # per target: where its a and its b begin in the buffer, and the rows of a[layer] and b[layer]
-    at = {n: (offsets[n], offsets[n] + layout.targets[n].b_offset * item, layout.targets[n].a_shape[1],
-              layout.targets[n].b_shape[1]) for n in targets}
-    same = {name for name, dtype in torch_dtypes().items() if dtype == layout.dtype}
-    direct, staged, mapped = [], [], []
-    for a, b in pieces:
-        a_at, b_at, a_rows, b_rows = at[a.target]
-        r, cols = as_linear(a.entry.shape)
-        exact = a.entry.dtype in same
-        if a.columns != (0, cols):
-            mapped.append(a)
-        elif exact:
-            to = a_at + (a.layer * a_rows + a.to_rows[0]) * cols * item
-            direct.append(Read(a.entry.start, r * cols * item, to, a))
-        else:
-            staged.append(a)
-        if exact and r == R:
-            to = b_at + (b.layer * b_rows + b.to_rows[0]) * R * item
-            direct.append(Read(b.entry.start + b.rows[0] * r * item, (b.rows[1] - b.rows[0]) * r * item, to, b))
-        else:
-            staged.append(b)
-    return direct, staged, mapped
+    where = torch.zeros(4, len(t.names), dtype=torch.int64)
+    for i, n in enumerate(t.names):
+        if n in offsets:
+            tl = layout.targets[n]
+            where[:, i] = torch.tensor([offsets[n], offsets[n] + tl.b_offset * item, tl.a_shape[1], tl.b_shape[1]])
+    a_at, b_at, a_rows, b_rows = (w[t.target] for w in where)
+    whole = (t.c0 == 0) & (t.c1 == t.cols)
+    a_direct, b_direct = whole & t.exact, t.exact & (t.r == R)
+    pieces = torch.arange(len(t), dtype=torch.int64)
+    a = Reads(t.a_start, t.r * t.cols * item, a_at + (t.layer * a_rows + t.a_to) * t.cols * item, pieces,
+              torch.zeros_like(pieces)).where(a_direct)
+    b = Reads(t.b_start + t.b0 * t.r * item, (t.b1 - t.b0) * t.r * item,
+              b_at + (t.layer * b_rows + t.b_to) * R * item, pieces, torch.ones_like(pieces)).where(b_direct)
+    # a row target's column shard of A, where a row of it is at least SHARD_ROW: each of its r rows read
+    # alone into its row of a[layer] (the rest of A, the other ranks' columns, is not read)
+    shard = ~whole & t.exact & ((t.c1 - t.c0) * item >= SHARD_ROW)
+    rows = torch.nonzero(shard).flatten()
+    reps = t.r[rows]
+    of = torch.repeat_interleave(rows, reps)
+    i = torch.arange(len(of), dtype=torch.int64) - torch.repeat_interleave(torch.cumsum(reps, 0) - reps, reps)
+    width = (t.c1 - t.c0)[of] * item
+    a_shard = Reads(t.a_start[of] + (i * t.cols[of] + t.c0[of]) * item, width,
+                    a_at[of] + (t.layer[of] * a_rows[of] + t.a_to[of] + i) * width, of, torch.zeros_like(of))
+    return Reads.join([a, a_shard, b]), whole & ~t.exact, ~b_direct, torch.nonzero(~whole & ~shard).flatten()
 
 
-def _dense(pieces: list[tuple[Piece, Piece]], layout: SlotLayout, targets: tuple[str, ...],
-           direct: list[Read]) -> list[Dense]:
+def _dense(t: Table, layout: SlotLayout, targets: tuple[str, ...], direct: Reads) -> list[Dense]:
     """Targets whose B is staged and whose every layer and slice has one module, all of one rank."""
-    by_target: dict[str, list[Piece]] = {}
-    for _, b in pieces:
-        by_target.setdefault(b.target, []).append(b)
-    targets = tuple(n for n in targets if n in by_target)
-    read_direct = {d.piece.target for d in direct if d.piece.role == "B"}
+    import torch
+
+    index = {n: i for i, n in enumerate(t.names)}
+    read_direct = set(torch_list(t.target[direct.piece[direct.role == 1]])) if len(direct) else set()
     dense = []
     for name in targets:
-        t, bs = layout.targets[name].target, by_target[name]
-        ranks = {b.columns[1] for b in bs}
-        whole = len(bs) == len({(b.layer, b.to_rows) for b in bs}) == t.layers * t.slices
-        if name not in read_direct and len(ranks) == 1 and whole:
-            dense.append(Dense(name, ranks.pop(), 0, bs[0].entry.torch_dtype))
+        i = index[name]
+        rows = torch.nonzero(t.target == i).flatten()
+        if not len(rows) or i in read_direct:
+            continue
+        tt, ranks = layout.targets[name].target, torch.unique(t.r[rows])
+        places = torch.stack([t.layer[rows], t.b_to[rows], t.b1[rows] - t.b0[rows]], 1)
+        if len(ranks) == 1 and len(rows) == len(torch.unique(places, dim=0)) == tt.layers * tt.slices:
+            B = t.entries[int(t.module[rows[0]])][1]
+            dense.append(Dense(name, int(ranks[0]), 0, B.torch_dtype))
     return dense
 
 
-def _stage(staged: list[Piece], dense: list[Dense], layout: SlotLayout, whole: list[TensorEntry],
-           ) -> tuple[list[Read], list[Dense], int, list[tuple[TensorEntry, int]]]:
-    """Places in the staging buffer: a dense target's B as one [layers, out_shard, r] array, the rest one
-    after another, then the tensors staged whole, each where its address agrees with the file's modulo
-    SKEW where it can."""
-    reads, at = [], 0
-    placed_dense = []
-    by_target = {d.target: d for d in dense}
+def _stage(t: Table, a_staged: torch.Tensor, b_staged: torch.Tensor, dense: list[Dense], layout: SlotLayout,
+           whole: list[TensorEntry]) -> tuple[Reads, list[Read], list[Dense], int, list[tuple[TensorEntry, int]]]:
+    """Places in the staging buffer: a dense target's B as one [layers, out_shard, r] array (its reads over
+    whole columns), the rest one after another (a Read each), then the tensors staged whole, each where its
+    address agrees with the file's modulo SKEW where it can."""
+    import torch
+
+    index = {n: i for i, n in enumerate(t.names)}
+    at, placed_dense, dense_reads = 0, [], []
     for d in dense:
         tl = layout.targets[d.target]
-        first = min((p for p in staged if p.target == d.target and p.role == "B"), key=lambda p: (p.layer, p.to_rows))
+        rows = torch.nonzero((t.target == index[d.target]) & b_staged).flatten()
+        first = int(rows[torch.argmin(t.layer[rows] * (tl.b_shape[1] + 1) + t.b_to[rows])])
         size = d.dtype.itemsize * d.rank
-        at = _place(at, first.entry.start + first.rows[0] * size, d.dtype)
+        at = _place(at, int(t.b_start[first] + t.b0[first] * size), d.dtype)
         placed_dense.append(d._replace(at=at))
-        for p in staged:
-            if p.target == d.target and p.role == "B":
-                to = at + (p.layer * tl.b_shape[1] + p.to_rows[0]) * size
-                reads.append(Read(p.entry.start + p.rows[0] * size, (p.rows[1] - p.rows[0]) * size, to, p))
+        dense_reads.append(Reads(t.b_start[rows] + t.b0[rows] * size, (t.b1[rows] - t.b0[rows]) * size,
+                                 at + (t.layer[rows] * tl.b_shape[1] + t.b_to[rows]) * size, rows,
+                                 torch.ones_like(rows)))
         at += tl.target.layers * tl.b_shape[1] * size
-    for p in staged:
-        if p.role == "B" and p.target in by_target:
-            continue
+    dense_ids = torch.tensor([index[d.target] for d in dense], dtype=torch.int64)
+    b_spread = b_staged & ~torch.isin(t.target, dense_ids)
+    order = torch.sort(torch.cat([torch.nonzero(a_staged).flatten() * 2, torch.nonzero(b_spread).flatten() * 2 + 1
+                                  ])).values
+    reads = []
+    for k in torch_list(order):
+        p = _piece(t, k // 2, "AB"[k % 2])
         size = p.entry.torch_dtype.itemsize * as_linear(p.entry.shape)[1]
         start = p.entry.start + p.rows[0] * size
         at = _place(at, start, p.entry.torch_dtype)
@@ -357,7 +436,8 @@ def _stage(staged: list[Piece], dense: list[Dense], layout: SlotLayout, whole: l
         at = _place(at, e.start, e.torch_dtype)
         whole_at.append((e, at))
         at += e.nbytes
-    return reads, placed_dense, at, whole_at
+    empty = Reads.of([], [], [])
+    return Reads.join([empty, *dense_reads]), reads, placed_dense, at, whole_at
 
 
 def _place(at: int, start: int, dtype: torch.dtype) -> int:
@@ -369,34 +449,5 @@ def _place(at: int, start: int, dtype: torch.dtype) -> int:
     return at + (-at) % dtype.itemsize
 
 
-def _skew(direct: list[Read], itemsize: int) -> int:
-    """The offset of the blocks in their buffer that puts most direct bytes at the address the file
-    has them at, modulo SKEW; a whole number of elements, so every view stays aligned for its dtype."""
-    weight: Counter[int] = Counter()
-    for d in direct:
-        weight[(d.at - d.to) % SKEW] += d.nbytes
-    fits = [(n, -k) for k, n in weight.items() if k % itemsize == 0]
-    return -max(fits)[1] if fits else 0
-
-
-def _batches(reads: list[Read]) -> tuple[Batch, ...]:
-    """Reads in file order, joined into one preadv wherever each starts where the last ended, in
-    batches of about BATCH_BYTES."""
-    batches: list[list[Run]] = [[]]
-    start = end = 0
-    parts: list[tuple[int, int]] = []
-    done = 0  # bytes of the finished batches and the current one
-    for at, n, to, _ in sorted(reads, key=lambda r: (r.at, r.to)):
-        full = done >= BATCH_BYTES * len(batches)
-        if at != end or len(parts) == IOV_MAX or end - start + n > RUN_BYTES or full:
-            if parts:
-                batches[-1].append((start, tuple(parts)))
-            if full:
-                batches.append([])
-            start, end, parts = at, at, []
-        parts.append((to, n))
-        end += n
-        done += n
-    if parts:
-        batches[-1].append((start, tuple(parts)))
-    return tuple(tuple(b) for b in batches if b)
+def _batches(reads: Reads) -> tuple[Batch, ...]:
+    return batches(reads, BATCH_BYTES, RUN_BYTES, IOV_MAX)

@@ -24,6 +24,7 @@ from .experts import stacked_widths
 from .host_memory import HostBuffers
 from .layout import SlotLayout
 from .plan import Folds, Piece, Plan, Read, Stacked
+from .rows import Reads
 from .safetensors_header import TensorEntry
 from .source import Source, memory_at
 from .spec import as_linear
@@ -133,10 +134,11 @@ def lay_out(p: Plan, landing: Landing, folds: Folds) -> dict[str, torch.Tensor]:
         _copy_rows(b[..., : d.rank], _typed_at(stage, d.at, math.prod(shape) * d.dtype.itemsize, d.dtype).view(shape))
     for r in p.spread():
         _copy_piece(views, r.piece, _rows(stage, r))
-    for r in p.staged:
+    for r in p.spread_reads:
         if r.piece.role == "B" and r.piece.module in ratios:
             _fold(views, r.piece, _rows(stage, r), ratios[r.piece.module])
-    _fold_direct(p, views, ratios)
+    _fold_rows(p, views, p.dense_reads, ratios, stage)
+    _fold_rows(p, views, p.direct.where(p.direct.role == 1), ratios)
     _fold_whole(views, folds.whole)
     return landing.blocks
 
@@ -163,11 +165,22 @@ def _fold_whole(views: Views, whole: dict[str, float]) -> None:
             b[layer].copy_(b[layer].float() * ratio)
 
 
-def _fold_direct(p: Plan, views: Views, ratios: dict[str, float]) -> None:
-    """A module's own scaling folded into the B its direct reads copied exactly, in float32 before the cast."""
-    for r in p.direct:
-        if r.piece.role == "B" and r.piece.module in ratios:
-            _fold(views, r.piece, None, ratios[r.piece.module])
+def _fold_rows(p: Plan, views: Views, reads: Reads, ratios: dict[str, float], stage: torch.Tensor | None = None,
+               ) -> None:
+    """A module's own scaling folded into the B reads of p copied, in float32 before the cast: from the staged
+    rows where stage is given, else from the exact copy in place."""
+    t = p.table
+    for j, ratio in p.module_ratios(reads, ratios):
+        i = int(reads.piece[j])
+        name, layer, b_to, height = t.names[int(t.target[i])], int(t.layer[i]), int(t.b_to[i]), int(t.b1[i] - t.b0[i])
+        r = int(t.r[i])
+        dst = views[name][1][layer, b_to : b_to + height, :r]
+        if stage is None:
+            src = dst
+        else:
+            B = t.entries[int(t.module[i])][1]
+            src = _typed_at(stage, int(reads.to[j]), int(reads.nbytes[j]), B.torch_dtype).view(-1, r)
+        dst.copy_(src.float() * ratio)
 
 
 def _copy_stacked(layout: SlotLayout, views: Views, st: Stacked, A: torch.Tensor, B: torch.Tensor,
