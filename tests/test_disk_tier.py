@@ -301,3 +301,58 @@ def test_a_tier_whose_folder_was_removed_under_it_makes_it_again(remotes, tmp_pa
         assert (folder / "adapter_model.safetensors").read_bytes() == \
             (one_files / "adapter_model.safetensors").read_bytes()
     assert one in tier
+
+
+# a process that took a folder's download lock and hangs there (a download stalled, a process stopped): it
+# holds <key>.lock exclusive beside a .part that does not grow, until told to go
+HANGER = """
+import fcntl, os, sys
+home, key = sys.argv[1], sys.argv[2]
+os.makedirs(os.path.join(home, f".{key}.part"), exist_ok=True)
+fd = os.open(os.path.join(home, f"{key}.lock"), os.O_RDONLY | os.O_CREAT, 0o666)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("holding", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_download_lock_held_by_a_hung_process_fails_the_adapter_naming_the_lock_file(remotes, tmp_path):
+    import threading
+
+    from managers import one_node
+
+    from mstar.engine.resources.lora.disk_tier import _folder
+    from mstar.engine.resources.lora.manager import LoraManager
+
+    [one, _], _ = remotes
+    DiskTier(tmp_path, 10**9)
+    key = _folder(one)
+    hung = subprocess.Popen([sys.executable, "-c", HANGER, str(tmp_path / HOME), key], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    m = one_node()
+    m = LoraManager(m.stores, m.pools, disk_tier=DiskTier(tmp_path, 10**9, wait=0.5))
+    outcome: list = []
+
+    def register():
+        try:
+            outcome.append(m.register("x", one.url))
+        except ValueError as e:
+            outcome.append(e)
+
+    try:
+        assert hung.stdout.readline() == "holding\n", hung.stderr.read()
+        waiter = threading.Thread(target=register, daemon=True)
+        waiter.start()
+        waiter.join(120)  # a guard against a hang, not a measure: the tier waits at most 0.5 s of no progress
+        assert not waiter.is_alive(), "the registration waited on the hung process's lock with no deadline"
+    finally:
+        hung.kill()
+        hung.wait()
+    [why] = outcome
+    assert isinstance(why, ValueError), why
+    text = str(why)
+    assert text.startswith(f"adapter 'x' ({one.url}") and str(tmp_path / HOME / f"{key}.lock") in text, text
+    assert "0.5 s" in text, text
+    v = m.register("x", one.url)  # the hung process gone, its lock with it: served
+    assert v.path == one
+    m.close()

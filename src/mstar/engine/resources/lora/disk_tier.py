@@ -9,7 +9,9 @@ may be a directory others share.
 Several processes may share one root (every rank of a node, servers on a shared volume), kept apart by
 flock on a folder's lock file: a download holds it exclusive (one download of a pin at a time, and a
 starting process removes a .part only where it can take the lock), a user of the folder holds it shared
-while it reads, and an eviction removes a folder only where it takes it exclusive without waiting. Files
+while it reads, and an eviction removes a folder only where it takes it exclusive without waiting. A wait
+for another process's download has a deadline: `wait` seconds in which its .part does not grow (a
+download stalled, a process stopped) fail the adapter, naming the lock file the other process holds. Files
 are downloaded to temporary names and renamed when whole, the folder renamed into place once every file
 is and renamed out of place before it is deleted: a partial folder is never read. Recency is a folder's
 mtime, touched at each use, so every process sharing root sees one LRU order.
@@ -40,13 +42,15 @@ PART = re.compile(r"\.([0-9a-f]{32})\.part")
 GONE = re.compile(r"\.[0-9a-f]{32}\.[0-9a-f]{32}\.gone")
 ATTEMPTS = 3  # fetches of a folder that other processes evict as soon as it lands, before giving up
 POLL = 0.05  # seconds between looks at a download another process holds
+WAIT = 120.0  # seconds another process's download may go without progress (the resolver_timeout's default)
 
 
 class DiskTier:
-    """Remote adapters' files under root/mstar-lora-tier, at most max_bytes of them beside those in use."""
+    """Remote adapters' files under root/mstar-lora-tier, at most max_bytes of them beside those in use; at most
+    wait seconds waited for another process's download of one that makes no progress."""
 
-    def __init__(self, root: str | os.PathLike[str], max_bytes: int) -> None:
-        self.root, self.max_bytes = Path(root), max_bytes
+    def __init__(self, root: str | os.PathLike[str], max_bytes: int, wait: float = WAIT) -> None:
+        self.root, self.max_bytes, self.wait = Path(root), max_bytes, wait
         self.home = self.root / HOME
         self.home.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -101,8 +105,8 @@ class DiskTier:
                 future = self._fetching.get(key)
             if future is not None:  # this process's download of it: its outcome is this call's too
                 future.result()
-            fd: int | None = self._locked(key, fcntl.LOCK_SH)
-            if not _is_folder(folder):
+            fd = self._waited(key, fcntl.LOCK_SH)
+            if fd is not None and not _is_folder(folder):
                 os.close(fd)
                 fd = self._fetch(remote, key)
             if fd is not None and _is_folder(folder):
@@ -149,12 +153,26 @@ class DiskTier:
     def _exclusive(self, key: str) -> int | None:
         """key's lock held exclusive to download it, or None once its folder is in place. Polled, not waited
         for: readers of a folder in place hold the lock shared as long as they read."""
+        return self._waited(key, fcntl.LOCK_EX)
+
+    def _waited(self, key: str, how: int) -> int | None:
+        """key's lock held `how` (LOCK_SH to read, LOCK_EX to download), polled while another process holds
+        it: None where an exclusive one is wanted and the folder stands in place (its readers hold it). A
+        ValueError naming the lock file once it has been held `wait` seconds while no .part of key grew."""
+        progress, deadline = None, time.monotonic() + self.wait
         while True:
-            fd = self._locked(key, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = self._locked(key, how | fcntl.LOCK_NB)
             if fd is not None:
                 return fd
-            if _is_folder(self.home / key):
+            if how == fcntl.LOCK_EX and _is_folder(self.home / key):
                 return None
+            now, seen = time.monotonic(), _progress(self.home / f".{key}.part")
+            if seen != progress:  # the holder's download goes on: its deadline with it
+                progress, deadline = seen, now + self.wait
+            elif now >= deadline:
+                raise ValueError(f"another process has held {self.home / f'{key}.lock'} for {self.wait:g} s while "
+                                 "its download made no progress (a download stalled, or a process stopped): "
+                                 "that process holds the adapter's files")
             time.sleep(POLL)
 
     def _download(self, remote: Remote, key: str) -> None:
@@ -264,6 +282,14 @@ def _is_folder(path: Path) -> bool:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+def _progress(part: Path) -> tuple[int, ...]:
+    """The sizes of what a download has written so far under part (none if there is no part)."""
+    try:
+        return tuple(sorted(e.stat(follow_symlinks=False).st_size for e in os.scandir(part)))
+    except OSError:
+        return ()
 
 
 def _remove(path: str | os.PathLike[str]) -> None:
