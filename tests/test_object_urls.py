@@ -130,7 +130,9 @@ WITH_SECRETS = [f"s3://{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/", f"S3://{KEY}:
                 f"s3://{KEY}%3A{SECRET}%40{s3server.BUCKET}/urls/ok/", f"ftp://{KEY}:{SECRET}@host/p/",
                 f"{BUCKET}/urls/ok/#{SECRET}", f"abfs://{KEY.lower()}:{SECRET}@acct.dfs.core.windows.net/p/",
                 f"s3:/{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/", f"s3:{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/",
-                f"s3:///{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/"]
+                f"s3:///{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/", f"s3://{KEY}:{SECRET}@{s3server.BUCKET}/team@x/",
+                f"s3://{KEY}:{SECRET[:9]}/{SECRET[9:]}@{s3server.BUCKET}/team@x/",
+                f"https://127.0.0.1:9/{SECRET[9:]}@127.0.0.1:9/urls/ok/", f"gs://{KEY}@{s3server.BUCKET}/ok/"]
 
 
 def secretless(text: str) -> bool:
@@ -169,6 +171,24 @@ def test_a_resolver_giving_a_url_with_credentials_fails_its_requests_without_the
     assert sorted(failed) == list(range(len(WITH_SECRETS)))
     assert all(str(e).startswith(f"adapter 'n{i}' (") and secretless(str(e)) for i, e in failed.items()), failed
     assert secretless(repr(m.adapters())) and m.adapters().adapters == []
+    m.close()
+
+
+@pytest.mark.parametrize("key", ["team@x/sql", "a@b@c/sql", "@lead/sql"])
+def test_an_at_sign_in_a_bucket_url_path_is_a_key_s_and_no_credential(server, adapter, tmp_path, key):
+    from mstar.engine.resources.lora import urls
+
+    s3server.upload(adapter, f"urls/{key}")
+    url = f"{BUCKET}/urls/{key}/"
+    m = manager(tmp_path)
+    v = m.register("u", url)
+    assert v.digest == check_adapter_file(m.stores["language_model"].spec, "u", adapter)
+    assert [r.source for r in m.adapters().adapters] == [url] and urls.redacted(url) == url
+    resolver = ObjectStoreResolver(url.removesuffix("sql/"))
+    assert resolver("sql") == url and resolver("none") is None
+    with pytest.raises(ValueError) as e:
+        m.register("none", url.replace("/sql/", "/none/"))
+    assert str(e.value).startswith(f"adapter 'none' ({url.replace('/sql/', '/none/')}):"), "shown as it is"
     m.close()
 
 
