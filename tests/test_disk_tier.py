@@ -356,3 +356,51 @@ def test_a_download_lock_held_by_a_hung_process_fails_the_adapter_naming_the_loc
     v = m.register("x", one.url)  # the hung process gone, its lock with it: served
     assert v.path == one
     m.close()
+
+
+def test_an_earlier_layout_s_folders_in_root_are_taken_into_the_tier_and_kept_within_its_budget(remotes, tmp_path):
+    from mstar.engine.resources.lora.disk_tier import _folder
+
+    [one, two], [one_files, _] = remotes
+    tier = DiskTier(tmp_path / "fetch", 10**9)
+    with tier.local(one) as folder:  # the files as an earlier version kept them: root/<key>/, nothing else
+        shutil.copytree(folder, tmp_path / "root" / _folder(one))
+    root = tmp_path / "root"
+    left = root / f".{_folder(two)}.123.456"  # an earlier version's half download, by an ended process
+    left.mkdir()
+    (left / "adapter_config.json").write_bytes(b"{}")
+    (left / ".adapter_model.safetensors.123.part").write_bytes(b"half")
+    hexes = "0123456789abcdef" * 2
+    theirs = {f"{hexes}/weights.bin": b"mine", f"{hexes[::-1]}/adapter_config.json": b"{}",
+              f"{hexes[::-1]}/notes.txt": b"mine", f".{hexes}.1.2/f": b"mine too",
+              f".{hexes}.1.2x/adapter_config.json": b"{}"}
+    for path, data in theirs.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(data)
+    before = snapshot(root)
+    tier = DiskTier(root, 10**9)
+    assert one in tier and not (root / _folder(one)).exists() and not left.exists(), "taken in; the half one gone"
+    assert {p: b for p, b in snapshot(root).items() if p in theirs} == theirs and \
+        set(snapshot(root)) == {p for p in before if not p.startswith((_folder(one), left.name))}, \
+        "what an earlier version did not make is left as it was"
+    with tier.local(one) as folder:
+        assert tier.downloads == 0 and folder == root / HOME / _folder(one)
+        assert (folder / "adapter_model.safetensors").read_bytes() == \
+            (one_files / "adapter_model.safetensors").read_bytes()
+    with DiskTier(root, max_bytes=0).local(two):
+        pass
+    assert one not in tier and os.listdir(root / HOME) == [], "within the budget as any other folder"
+
+
+def test_an_earlier_layout_s_folder_for_a_pin_the_tier_holds_is_dropped(remotes, tmp_path):
+    from mstar.engine.resources.lora.disk_tier import _folder
+
+    [one, _], [one_files, _] = remotes
+    tier = DiskTier(tmp_path, 10**9)
+    with tier.local(one) as folder:
+        shutil.copytree(folder, tmp_path / _folder(one))
+    DiskTier(tmp_path, 10**9)
+    assert not (tmp_path / _folder(one)).exists()
+    assert sorted(os.listdir(tmp_path / HOME)) == [_folder(one), f"{_folder(one)}.lock"], "one copy, the tier's"
+    with tier.local(one) as folder:
+        assert (folder / "adapter_config.json").read_bytes() == (one_files / "adapter_config.json").read_bytes()

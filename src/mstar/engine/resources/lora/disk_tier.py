@@ -4,7 +4,10 @@ Everything it keeps lies in root/mstar-lora-tier, a folder of its own, and there
 names: a folder per pinned adapter (32 hex digits, a hash of its pin: a replaced object is another
 folder), its lock file (<hex>.lock), and its temporary names (.<hex>.part while it downloads,
 .<hex>.<hex>.gone while it is deleted). Anything else, in root or in its folder, is left alone, so root
-may be a directory others share.
+may be a directory others share. An earlier version kept its folders in root itself (root/<hex>, and
+.<hex>.<pid>.<tid> while it downloaded): a start takes each such folder that holds exactly an adapter's
+two files into its own folder, to be used and dropped within max_bytes as any other, and removes such a
+half download that holds only the names that version wrote; nothing else of root is touched.
 
 Several processes may share one root (every rank of a node, servers on a shared volume), kept apart by
 flock on a folder's lock file: a download holds it exclusive (one download of a pin at a time, and a
@@ -40,6 +43,8 @@ HOME = "mstar-lora-tier"
 KEY = re.compile(r"[0-9a-f]{32}")
 PART = re.compile(r"\.([0-9a-f]{32})\.part")
 GONE = re.compile(r"\.[0-9a-f]{32}\.[0-9a-f]{32}\.gone")
+EARLIER = re.compile(r"\.([0-9a-f]{32})\.[0-9]+\.[0-9]+")  # an earlier version's download, in root itself
+EARLIER_PART = re.compile(r"\.(?:adapter_config\.json|adapter_model\.safetensors)\.[0-9]+\.part")
 ATTEMPTS = 3  # fetches of a folder that other processes evict as soon as it lands, before giving up
 POLL = 0.05  # seconds between looks at a download another process holds
 WAIT = 120.0  # seconds another process's download may go without progress (the resolver_timeout's default)
@@ -70,6 +75,33 @@ class DiskTier:
                 if fd is not None:
                     _remove(entry.path)
                     self._release(part[1], fd)
+        with suppress(OSError):  # a root it may not read or change: what an earlier version left stays
+            self._adopt()
+
+    def _adopt(self) -> None:
+        """What an earlier version kept in root itself: its whole folders taken in (dropped where the same
+        pin's folder is here already; another process's to take while it holds their lock), its half
+        downloads removed."""
+        for entry in os.scandir(self.root):
+            names = _plain_files(entry)
+            if names is None:
+                continue
+            earlier = EARLIER.fullmatch(entry.name)
+            if earlier and all(n in objects.FILES or EARLIER_PART.fullmatch(n) for n in names):
+                _remove(entry.path)
+            elif KEY.fullmatch(entry.name) and names == set(objects.FILES):
+                fd = self._locked(entry.name, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if fd is None:
+                    continue
+                here = _is_folder(self.home / entry.name)  # the same pin's files: the earlier copy is dropped
+                gone = self.home / (entry.name if not here else f".{entry.name}.{uuid.uuid4().hex}.gone")
+                try:
+                    with suppress(OSError):  # another process's start took it first
+                        os.rename(entry.path, gone)
+                    if here:
+                        _remove(gone)
+                finally:
+                    self._release(entry.name, fd)
 
     @property
     def nbytes(self) -> int:
@@ -282,6 +314,17 @@ def _is_folder(path: Path) -> bool:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+def _plain_files(entry: os.DirEntry[str]) -> set[str] | None:
+    """The names in a folder (not a link to one) that holds regular files alone, or None."""
+    try:
+        if not entry.is_dir(follow_symlinks=False):
+            return None
+        inside = list(os.scandir(entry.path))
+        return {e.name for e in inside} if all(e.is_file(follow_symlinks=False) for e in inside) else None
+    except OSError:
+        return None
 
 
 def _progress(part: Path) -> tuple[int, ...]:
