@@ -29,6 +29,7 @@ from .checkpoint import CONFIG, WEIGHTS
 SCHEMES = tuple(f"{s}://" for s in urls.SCHEMES)
 FILES = (CONFIG, WEIGHTS)  # all that a local adapter folder is read from
 CHUNK = 8 << 20
+TOTAL = timedelta(hours=1)  # a request's bound in all (a 10 GB file at 3 MB/s); a stall's is MSTAR_LORA_OBJECT_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,11 @@ def _store(url: str) -> Any:
     except ImportError:
         raise ValueError("an object-store URL needs obstore (pip install 'mstar-lora[objects]')") from None
     # AWS_ALLOW_HTTP (an endpoint on plain http, a local S3 server's) passed as the client option it is: obstore
-    # reads its client options' variables when it is imported, not when a store is made
-    return from_url(url, client_options={"timeout": os.environ.get("MSTAR_LORA_OBJECT_TIMEOUT", "30s"),
-                                         "connect_timeout": "5s",
+    # reads its client options' variables when it is imported, not when a store is made. The timeout bounds a
+    # stall (between two reads, the headers' wait too), not a request: a large file takes what it takes, and
+    # a whole request is bounded by TOTAL only
+    return from_url(url, client_options={"read_timeout": os.environ.get("MSTAR_LORA_OBJECT_TIMEOUT", "30s"),
+                                         "timeout": TOTAL, "connect_timeout": "5s",
                                          "allow_http": os.environ.get("AWS_ALLOW_HTTP", "false")},
                     retry_config={"max_retries": 2, "backoff": {"init_backoff": timedelta(milliseconds=50),
                                                                 "max_backoff": timedelta(seconds=1), "base": 2},
@@ -142,8 +145,10 @@ def _chunks(remote: Remote, name: str, etag: str) -> Iterator[bytes]:
     from obstore.exceptions import NotFoundError, PreconditionError
 
     try:
-        yield from obstore.get(store_for(remote.url), name, options={"if_match": etag} if etag else None).stream(
-            min_chunk_size=CHUNK)
+        got = obstore.get(store_for(remote.url), name, options={"if_match": etag} if etag else None)
+        if etag and got.meta["e_tag"] != etag:  # a server or cache that ignores If-Match: told by its answer
+            raise PreconditionError(got.meta["e_tag"])
+        yield from got.stream(min_chunk_size=CHUNK)
     except PreconditionError:
         raise ValueError(f"{name} was replaced in the store since it was checked (its ETag is no longer "
                          f"{etag}): the new object is a new version") from None
