@@ -404,3 +404,42 @@ def test_an_earlier_layout_s_folder_for_a_pin_the_tier_holds_is_dropped(remotes,
     assert sorted(os.listdir(tmp_path / HOME)) == [_folder(one), f"{_folder(one)}.lock"], "one copy, the tier's"
     with tier.local(one) as folder:
         assert (folder / "adapter_config.json").read_bytes() == (one_files / "adapter_config.json").read_bytes()
+
+
+def test_a_link_at_a_folder_s_name_in_the_tier_is_never_read_and_gives_way_to_the_download(remotes, tmp_path):
+    from mstar.engine.resources.lora.disk_tier import _folder
+
+    [one, two], [one_files, two_files] = remotes
+    DiskTier(tmp_path, 10**9)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(two_files, elsewhere)  # another adapter's files, linked where one's folder would be
+    (tmp_path / HOME / _folder(one)).symlink_to(elsewhere, target_is_directory=True)
+    (tmp_path / HOME / f".{_folder(two)}.part").symlink_to(elsewhere, target_is_directory=True)
+    tier = DiskTier(tmp_path, 10**9)
+    assert one not in tier and tier.nbytes == 0, "a link is no folder of the tier's"
+    for remote, files in ((one, one_files), (two, two_files)):
+        with tier.local(remote) as folder:
+            assert not folder.is_symlink()
+            assert all((folder / f).read_bytes() == (files / f).read_bytes() for f in objects.FILES)
+    assert sorted(p.name for p in elsewhere.iterdir()) == sorted(p.name for p in two_files.iterdir()), \
+        "where the links pointed is left as it was"
+
+
+def test_a_link_at_a_lock_s_name_makes_no_file_where_it_points(remotes, tmp_path):
+    from managers import one_node
+
+    from mstar.engine.resources.lora.disk_tier import _folder
+    from mstar.engine.resources.lora.manager import LoraManager
+
+    [one, _], _ = remotes
+    DiskTier(tmp_path, 10**9)
+    target = tmp_path / "outside" / "made-by-the-tier"
+    target.parent.mkdir()
+    (tmp_path / HOME / f"{_folder(one)}.lock").symlink_to(target)
+    m = one_node()
+    m = LoraManager(m.stores, m.pools, disk_tier=DiskTier(tmp_path, 10**9))
+    with pytest.raises(ValueError) as e:
+        m.register("x", one.url)
+    assert refused_plainly(str(e.value), one.url, tmp_path / HOME), str(e.value)
+    assert not target.exists(), "the tier opened no file through a link someone put in its folder"
+    m.close()

@@ -71,10 +71,11 @@ class DiskTier:
             if GONE.fullmatch(entry.name):
                 _remove(entry.path)
             elif part:
-                fd = self._locked(part[1], fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if fd is not None:
-                    _remove(entry.path)
-                    self._release(part[1], fd)
+                with suppress(OSError):  # a lock it cannot take (a link at its name): its use is refused
+                    fd = self._locked(part[1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    if fd is not None:
+                        _remove(entry.path)
+                        self._release(part[1], fd)
         with suppress(OSError):  # a root it may not read or change: what an earlier version left stays
             self._adopt()
 
@@ -216,6 +217,7 @@ class DiskTier:
             for name, etag, size in remote.objects:
                 objects.download(remote, name, etag, size, part / name)
                 self.downloads += 1
+            _remove(self.home / key)  # no folder (_hold looked, under the lock), but maybe a link or a file
             os.rename(part, self.home / key)
             self._sizes[key] = remote.nbytes
         finally:
@@ -278,12 +280,13 @@ class DiskTier:
         """key's lock file, open and flocked `how` (LOCK_SH or LOCK_EX, | LOCK_NB not to wait: None if another
         holds it). An eviction unlinks the file: a lock taken on one no longer at its path is taken again."""
         path = self.home / f"{key}.lock"
+        flags = os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW  # a link there makes no file where it points
         while True:
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                fd = os.open(path, flags, 0o666)
             except FileNotFoundError:  # its folder removed under it (a cache cleaned): made again
                 self.home.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                fd = os.open(path, flags, 0o666)
             try:
                 fcntl.flock(fd, how)
             except BlockingIOError:
@@ -336,7 +339,12 @@ def _progress(part: Path) -> tuple[int, ...]:
 
 
 def _remove(path: str | os.PathLike[str]) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Whatever stands at path gone: a folder with what it holds, a link (never where it points) or a file."""
+    if _is_folder(Path(path)):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _folder(remote: Remote) -> str:
