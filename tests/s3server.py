@@ -34,6 +34,7 @@ class Faults:
         self.method: str | None = None
         self.seconds = 0.0
         self.gets = 0
+        self.hook = None  # called (no arguments) as a request it matches arrives, before anything is done to it
 
 
 def start(env: dict[str, str] | None = None) -> tuple[object, ThreadingHTTPServer, Faults, str]:
@@ -54,6 +55,8 @@ def start(env: dict[str, str] | None = None) -> tuple[object, ThreadingHTTPServe
         def forward(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             hit = faults.mode is not None and faults.match in self.path and faults.method in (None, self.command)
+            if hit and faults.hook is not None:
+                faults.hook()
             if hit and faults.mode == "down":
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)

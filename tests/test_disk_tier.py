@@ -443,3 +443,51 @@ def test_a_link_at_a_lock_s_name_makes_no_file_where_it_points(remotes, tmp_path
     assert refused_plainly(str(e.value), one.url, tmp_path / HOME), str(e.value)
     assert not target.exists(), "the tier opened no file through a link someone put in its folder"
     m.close()
+
+
+def test_room_is_made_within_the_budget_before_a_download_not_after_it(server, remotes, tmp_path):
+    [one, two], [_, two_files] = remotes
+    tier = DiskTier(tmp_path, max_bytes=max(one.nbytes, two.nbytes))  # room for one of them
+    with tier.local(one):
+        pass
+    held: list[int] = []  # the folders' bytes in place as two's download starts
+    server.mode, server.match, server.method, server.seconds = "slow", "tier/two/", "GET", 0.0
+    server.hook = lambda: held.append(tier.nbytes)
+    try:
+        with tier.local(two) as folder:
+            assert (folder / "adapter_model.safetensors").read_bytes() == \
+                (two_files / "adapter_model.safetensors").read_bytes()
+    finally:
+        server.mode = server.method = server.hook = None
+    assert held and all(n + two.nbytes <= tier.max_bytes for n in held), \
+        f"{held} bytes of other folders kept beside a download of {two.nbytes} within {tier.max_bytes}"
+    assert one not in tier and two in tier
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A file system of 88 KiB mounted at tmp_path/small (room for one of the test adapters, not two): a tmpfs,
+    where the tests may mount one; skipped elsewhere."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=88k", "tmpfs", str(where)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("no tmpfs can be mounted here")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_full_disk_gives_the_least_recent_folders_up_for_a_download_before_it_refuses(remotes, small_disk):
+    [one, two], [_, two_files] = remotes
+    assert one.nbytes + two.nbytes > 88 * 1024 > two.nbytes + 4096
+    tier = DiskTier(small_disk, 10**9)  # a budget the disk cannot hold
+    with tier.local(one):
+        pass
+    with tier.local(two) as folder:
+        assert (folder / "adapter_model.safetensors").read_bytes() == \
+            (two_files / "adapter_model.safetensors").read_bytes()
+    assert one not in tier and two in tier
+    full = r"could not be written to the disk tier \(No space left on device\)"
+    with tier.local(one), pytest.raises(ValueError, match=full), tier.local(two):  # one (back) in use: refused
+        pass
+    assert not any(p.name.startswith(".") for p in (small_disk / HOME).iterdir()), "no partial file left"

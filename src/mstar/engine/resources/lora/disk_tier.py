@@ -17,11 +17,14 @@ for another process's download has a deadline: `wait` seconds in which its .part
 download stalled, a process stopped) fail the adapter, naming the lock file the other process holds. Files
 are downloaded to temporary names and renamed when whole, the folder renamed into place once every file
 is and renamed out of place before it is deleted: a partial folder is never read. Recency is a folder's
-mtime, touched at each use, so every process sharing root sees one LRU order.
+mtime, touched at each use, so every process sharing root sees one LRU order. Room is made before a
+download, not after it: the least recent folders go to leave max_bytes with it, and on a disk full even so
+(a budget larger than the disk) every folder not in use goes before the download is refused.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -168,7 +171,7 @@ class DiskTier:
             if fd is not None:
                 try:
                     if not _is_folder(self.home / key):
-                        self._download(remote, key)
+                        self._make_room(remote, key)
                     fcntl.flock(fd, fcntl.LOCK_SH)  # Linux converts it at once; elsewhere _hold looks again
                 except BaseException:
                     self._release(key, fd)
@@ -208,6 +211,18 @@ class DiskTier:
                                  "that process holds the adapter's files")
             time.sleep(POLL)
 
+    def _make_room(self, remote: Remote, key: str) -> None:
+        """remote downloaded into key (its lock held exclusive), room made for it first: the least recent
+        folders dropped to leave max_bytes with it, and every folder not in use if the disk is full even so."""
+        with suppress(OSError):
+            self._trim(self.max_bytes - remote.nbytes)
+        try:
+            self._download(remote, key)
+        except objects.LocalDisk as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._trim(0):
+                raise
+            self._download(remote, key)
+
     def _download(self, remote: Remote, key: str) -> None:
         """remote's files into .<key>.part, renamed to key once whole (key's lock held exclusive)."""
         part = self.home / f".{key}.part"
@@ -227,15 +242,17 @@ class DiskTier:
         """remote's folder dropped now, unless in use, here or by another process: whether it was."""
         return self._drop(_folder(remote))
 
-    def _trim(self) -> None:
-        """Folders dropped, least recently used first, until the rest fit max_bytes; one in use is skipped."""
-        folders = self._folders()
-        over = sum(n for _, _, n in folders) - self.max_bytes
+    def _trim(self, keep: int | None = None) -> bool:
+        """Folders dropped, least recently used first, until the rest fit keep bytes (max_bytes unless said);
+        one in use is skipped. Whether any was."""
+        folders, dropped = self._folders(), False
+        over = sum(n for _, _, n in folders) - (self.max_bytes if keep is None else keep)
         for _, key, n in sorted(folders):
             if over <= 0:
                 break
             if self._drop(key):
-                over -= n
+                over, dropped = over - n, True
+        return dropped
 
     def _drop(self, key: str) -> bool:
         fd = self._locked(key, fcntl.LOCK_EX | fcntl.LOCK_NB)

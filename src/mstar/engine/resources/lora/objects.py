@@ -133,10 +133,19 @@ def download(remote: Remote, name: str, etag: str, size: int, dest: Path) -> Non
             raise ValueError(f"{name} came with {got} bytes, not the {size} it was pinned with")
         os.replace(tmp, dest)
     except OSError as e:  # the local disk's (full, unwritable, a name too long): the store's are ValueErrors
-        raise ValueError(f"{name} could not be written to the disk tier ({e.strerror or type(e).__name__})") from None
+        raise LocalDisk(f"{name} could not be written to the disk tier ({e.strerror or type(e).__name__})",
+                        e.errno) from None
     finally:
         with suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+
+class LocalDisk(ValueError):
+    """A download the local disk could not take; errno says why (ENOSPC: full)."""
+
+    def __init__(self, text: str, errno: int | None) -> None:
+        super().__init__(text)
+        self.errno = errno
 
 
 def _chunks(remote: Remote, name: str, etag: str) -> Iterator[bytes]:
