@@ -209,3 +209,14 @@ def test_a_source_near_a_url_is_checked_as_one_and_refused_unless_its_bucket_or_
     with pytest.raises(ValueError, match=r"^its (URL|bucket|host) (is|has) "):
         urls.checked(url)
     assert len(urls.redacted(url)) <= urls.SHOWN + 3
+
+
+def test_an_endpoint_with_credentials_shows_them_in_no_refusal(server, tmp_path, monkeypatch):
+    m = manager(tmp_path)
+    # the client's chain gives the endpoint (a store of its own: the bucket's name is this test's)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{KEY}:{SECRET}@127.0.0.1:{s3server.free_port()}")
+    with pytest.raises(ValueError) as e:
+        m.register("x", "s3://endpoint-with-credentials/p/")
+    assert str(e.value).startswith("adapter 'x' (s3://endpoint-with-credentials/p/): adapter_config.json could not")
+    assert secretless(str(e.value)) and "http://***@127.0.0.1:" in str(e.value), str(e.value)
+    m.close()

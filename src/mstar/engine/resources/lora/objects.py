@@ -15,6 +15,7 @@ metadata, and so on), never from the URL, and are never logged. Needs obstore (`
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from .checkpoint import CONFIG, WEIGHTS
 SCHEMES = tuple(f"{s}://" for s in urls.SCHEMES)
 FILES = (CONFIG, WEIGHTS)  # all that a local adapter folder is read from
 CHUNK = 8 << 20
+IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S*")  # a URL in an error's text, to its first space
 TOTAL = timedelta(hours=1)  # a request's bound in all (a 10 GB file at 3 MB/s); a stall's is MSTAR_LORA_OBJECT_TIMEOUT
 
 
@@ -168,6 +170,9 @@ def _chunks(remote: Remote, name: str, etag: str) -> Iterator[bytes]:
 
 
 def short(e: BaseException) -> str:
-    """An error's first line: obstore's carry the whole response and a debug dump after it."""
+    """An error's first line: obstore's carry the whole response and a debug dump after it. A URL in it (the
+    endpoint's, which the client's chain gives) is shown as urls.redacted shows one: no user:password@, no
+    query."""
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
+    line = IN_TEXT.sub(lambda m: urls.redacted(m[0]), text[0]) if text else ""
+    return f"{type(e).__name__}: {line[:300]}" if line else type(e).__name__
