@@ -121,6 +121,28 @@ def test_an_adapter_on_a_plain_http_server_is_pinned_by_head_and_served(server, 
     m.close()
 
 
+def test_a_file_replaced_on_a_plain_http_server_which_gives_no_etag_is_a_new_version(server, adapter, tmp_path):
+    import os
+
+    root = tmp_path / "www"
+    shutil.copytree(adapter, root / "swap")
+    quiet = type("Quiet", (SimpleHTTPRequestHandler,), {"log_message": lambda *a: None})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(quiet, directory=str(root)))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/swap/"
+        remote = objects.pin(url)
+        weights = root / "swap" / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[::-1])  # as long as before: only its time tells them apart
+        os.utime(weights, (weights.stat().st_atime, weights.stat().st_mtime + 10))
+        assert objects.pin(url) != remote, "a new pin: a new version"
+        replaced = r"adapter_model\.safetensors was replaced in the store since it was"
+        with pytest.raises(ValueError, match=replaced), DiskTier(tmp_path / "disk", 10**9).local(remote):
+            pass
+    finally:
+        httpd.shutdown()
+
+
 KEY, SECRET, SIGNATURE = "AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY", "c2lnbmF0dXJlZm9yZXZlcg"
 WITH_SECRETS = [f"s3://{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/", f"S3://{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/",
                 f"https://user:{SECRET}@127.0.0.1:9/urls/ok/", f"http://{SECRET}@127.0.0.1:9/urls/ok/",

@@ -30,6 +30,7 @@ from .checkpoint import CONFIG, WEIGHTS
 SCHEMES = tuple(f"{s}://" for s in urls.SCHEMES)
 FILES = (CONFIG, WEIGHTS)  # all that a local adapter folder is read from
 CHUNK = 8 << 20
+MODIFIED = "last-modified "  # a pin's tag where the store gives no ETag
 IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S*")  # a URL in an error's text, to its first space
 TOTAL = timedelta(hours=1)  # a request's bound in all (a 10 GB file at 3 MB/s); a stall's is MSTAR_LORA_OBJECT_TIMEOUT
 
@@ -88,7 +89,15 @@ def pin(url: str) -> Remote:
     not, without repeating url)."""
     url = urls.checked(url)
     heads = {name: _head(url, name) for name in FILES}
-    return Remote(url, tuple((name, meta["e_tag"] or "", meta["size"]) for name, meta in heads.items()))
+    return Remote(url, tuple((name, _tag(meta), meta["size"]) for name, meta in heads.items()))
+
+
+def _tag(meta: dict[str, Any]) -> str:
+    """An object's version as its store tells it: its ETag, or where it gives none (a plain HTTP server),
+    its Last-Modified time, written so that it cannot be taken for an ETag (which starts with a quote)."""
+    if meta.get("e_tag"):
+        return meta["e_tag"]
+    return f"{MODIFIED}{meta['last_modified'].isoformat()}" if meta.get("last_modified") else ""
 
 
 def has_adapter(url: str) -> bool:
@@ -155,14 +164,16 @@ def _chunks(remote: Remote, name: str, etag: str) -> Iterator[bytes]:
     import obstore
     from obstore.exceptions import NotFoundError, PreconditionError
 
+    conditional = etag and not etag.startswith(MODIFIED)
     try:
-        got = obstore.get(store_for(remote.url), name, options={"if_match": etag} if etag else None)
-        if etag and got.meta["e_tag"] != etag:  # a server or cache that ignores If-Match: told by its answer
-            raise PreconditionError(got.meta["e_tag"])
+        got = obstore.get(store_for(remote.url), name, options={"if_match": etag} if conditional else None)
+        theirs = got.meta.get("e_tag") if conditional else _tag(got.meta)
+        if etag and theirs and theirs != etag:  # a server or cache that ignores If-Match, or gives no ETag
+            raise PreconditionError(theirs)
         yield from got.stream(min_chunk_size=CHUNK)
     except PreconditionError:
-        raise ValueError(f"{name} was replaced in the store since it was checked (its ETag is no longer "
-                         f"{etag}): the new object is a new version") from None
+        raise ValueError(f"{name} was replaced in the store since it was checked (it is no longer {etag}): "
+                         "the new object is a new version") from None
     except (NotFoundError, FileNotFoundError):
         raise ValueError(f"{name} was deleted from the store since it was checked") from None
     except Exception as e:
