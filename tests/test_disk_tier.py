@@ -491,3 +491,13 @@ def test_a_full_disk_gives_the_least_recent_folders_up_for_a_download_before_it_
     with tier.local(one), pytest.raises(ValueError, match=full), tier.local(two):  # one (back) in use: refused
         pass
     assert not any(p.name.startswith(".") for p in (small_disk / HOME).iterdir()), "no partial file left"
+
+
+@pytest.mark.parametrize("objects_", [(("../../escaped.json", "", 4),), (("adapter_config.json", "", -1),),
+                                      (("adapter_config.json", "", 4), ("adapter_config.json", "", 4)),
+                                      (("adapter_config.json", "", 4),),
+                                      ((".", "", 4), ("adapter_config.json", "", 4))])
+def test_a_remote_made_by_hand_names_only_the_adapter_s_two_files(remotes, tmp_path, objects_):
+    [one, _], _ = remotes
+    with pytest.raises(ValueError, match=r"^a Remote's objects are "):
+        objects.Remote(one.url, objects_)

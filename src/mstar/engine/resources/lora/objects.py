@@ -46,6 +46,11 @@ class Remote:
     def __post_init__(self) -> None:
         if urls.checked(self.url) != self.url:
             raise ValueError(f"a Remote's URL is a checked prefix ending in '/' ({urls.checked(self.url)})")
+        shape = [(n, type(t), type(size)) for n, t, size in self.objects] if all(
+            isinstance(o, tuple) and len(o) == 3 for o in self.objects) else None
+        if shape != [(n, str, int) for n in FILES] or any(size < 0 for _, _, size in self.objects):
+            raise ValueError(f"a Remote's objects are ({', '.join(FILES)}), each (name, tag, size >= 0), in that "
+                             "order, as pin makes them: the files a folder is read from and no other path")
 
     def __str__(self) -> str:
         return self.url
