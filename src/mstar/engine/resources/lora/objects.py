@@ -29,7 +29,7 @@ from .checkpoint import CONFIG, WEIGHTS
 
 SCHEMES = tuple(f"{s}://" for s in urls.SCHEMES)
 FILES = (CONFIG, WEIGHTS)  # all that a local adapter folder is read from
-CHUNK = 8 << 20
+CHUNK = 1 << 20  # a download shows its progress on disk at least every MiB: a process waiting on it looks there
 MODIFIED = "last-modified "  # a pin's tag where the store gives no ETag
 IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S*")  # a URL in an error's text, to its first space
 TOTAL = timedelta(hours=1)  # a request's bound in all (a 10 GB file at 3 MB/s); a stall's is MSTAR_LORA_OBJECT_TIMEOUT
