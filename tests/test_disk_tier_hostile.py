@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -94,31 +95,30 @@ def test_a_download_lock_held_by_a_hung_process_fails_the_adapter_naming_the_loc
     m.close()
 
 
-def test_an_earlier_layout_s_folders_in_root_are_taken_into_the_tier_and_kept_within_its_budget(remotes, tmp_path):
+def earlier_layout(root: Path, one, two) -> Path:
+    """root as an earlier version left it: one's folder at root/<key>, and a half download of two's by an ended
+    process (.<key>.<pid>.<tid>); the half download returned."""
     from mstar.engine.resources.lora.disk_tier import _folder
 
-    [one, two], [one_files, _] = remotes
-    tier = DiskTier(tmp_path / "fetch", 10**9)
-    with tier.local(one) as folder:  # the files as an earlier version kept them: root/<key>/, nothing else
-        shutil.copytree(folder, tmp_path / "root" / _folder(one))
-    root = tmp_path / "root"
-    left = root / f".{_folder(two)}.123.456"  # an earlier version's half download, by an ended process
+    with DiskTier(root.parent / "fetch", 10**9).local(one) as folder:
+        shutil.copytree(folder, root / _folder(one))
+    left = root / f".{_folder(two)}.123.456"
     left.mkdir()
     (left / "adapter_config.json").write_bytes(b"{}")
     (left / ".adapter_model.safetensors.123.part").write_bytes(b"half")
-    hexes = "0123456789abcdef" * 2
-    theirs = {f"{hexes}/weights.bin": b"mine", f"{hexes[::-1]}/adapter_config.json": b"{}",
-              f"{hexes[::-1]}/notes.txt": b"mine", f".{hexes}.1.2/f": b"mine too",
-              f".{hexes}.1.2x/adapter_config.json": b"{}"}
-    for path, data in theirs.items():
-        (root / path).parent.mkdir(parents=True, exist_ok=True)
-        (root / path).write_bytes(data)
-    before = snapshot(root)
+    return left
+
+
+def test_an_earlier_layout_s_folders_in_a_root_of_their_own_are_taken_into_the_tier_within_its_budget(
+        remotes, tmp_path):
+    from mstar.engine.resources.lora.disk_tier import _folder
+
+    [one, two], [one_files, _] = remotes
+    root = tmp_path / "root"
+    left = earlier_layout(root, one, two)
     tier = DiskTier(root, 10**9)
     assert one in tier and not (root / _folder(one)).exists() and not left.exists(), "taken in; the half one gone"
-    assert {p: b for p, b in snapshot(root).items() if p in theirs} == theirs and \
-        set(snapshot(root)) == {p for p in before if not p.startswith((_folder(one), left.name))}, \
-        "what an earlier version did not make is left as it was"
+    assert os.listdir(root) == [HOME]
     with tier.local(one) as folder:
         assert tier.downloads == 0 and folder == root / HOME / _folder(one)
         assert (folder / "adapter_model.safetensors").read_bytes() == \
@@ -126,6 +126,23 @@ def test_an_earlier_layout_s_folders_in_root_are_taken_into_the_tier_and_kept_wi
     with DiskTier(root, max_bytes=0).local(two):
         pass
     assert one not in tier and os.listdir(root / HOME) == [], "within the budget as any other folder"
+
+
+def test_an_earlier_layout_s_folders_in_a_root_others_share_are_left_as_they_are(remotes, tmp_path):
+    [one, two], _ = remotes
+    root = tmp_path / "root"
+    earlier_layout(root, one, two)
+    hexes = "0123456789abcdef" * 2  # others' things beside them: an adapter of theirs in a 32-hex folder, too
+    for path, data in {f"{hexes}/adapter_config.json": b"{}", f"{hexes}/adapter_model.safetensors": b"theirs",
+                       ".bashrc": b"alias ll='ls -l'"}.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(data)
+    before = snapshot(root)
+    tier = DiskTier(root, max_bytes=0)
+    with tier.local(two):
+        pass
+    assert snapshot(root) == before and one not in tier, \
+        "in a root others share, an adapter in a 32-hex folder may be theirs: nothing of root is touched"
 
 
 def test_an_earlier_layout_s_folder_for_a_pin_the_tier_holds_is_dropped(remotes, tmp_path):

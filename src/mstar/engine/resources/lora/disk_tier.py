@@ -5,9 +5,10 @@ names: a folder per pinned adapter (32 hex digits, a hash of its pin: a replaced
 folder), its lock file (<hex>.lock), and its temporary names (.<hex>.part while it downloads,
 .<hex>.<hex>.gone while it is deleted). Anything else, in root or in its folder, is left alone, so root
 may be a directory others share. An earlier version kept its folders in root itself (root/<hex>, and
-.<hex>.<pid>.<tid> while it downloaded): a start takes each such folder that holds exactly an adapter's
-two files into its own folder, to be used and dropped within max_bytes as any other, and removes such a
-half download that holds only the names that version wrote; nothing else of root is touched.
+.<hex>.<pid>.<tid> while it downloaded), and took root for its own: where root holds nothing but those
+(and the tier's folder), a start takes each such folder that holds exactly an adapter's two files into its
+own folder, to be used and dropped within max_bytes as any other, and removes such half downloads; a root
+holding anything else is shared, and is left as it is.
 
 Several processes may share one root (every rank of a node, servers on a shared volume), kept apart by
 flock on a folder's lock file: a download holds it exclusive (one download of a pin at a time, and a
@@ -83,29 +84,37 @@ class DiskTier:
             self._adopt()
 
     def _adopt(self) -> None:
-        """What an earlier version kept in root itself: its whole folders taken in (dropped where the same
-        pin's folder is here already; another process's to take while it holds their lock), its half
-        downloads removed."""
-        for entry in os.scandir(self.root):
+        """What an earlier version kept in root itself, where root holds nothing else (that version took root
+        for its own, so a root others share may hold an adapter of theirs in a 32-hex folder: left alone): its
+        whole folders taken in (dropped where the same pin's folder is here already; another process's to
+        take while it holds their lock), its half downloads removed."""
+        entries, folders, halves = list(os.scandir(self.root)), [], []
+        for entry in entries:
             names = _plain_files(entry)
-            if names is None:
+            if entry.name == HOME:
                 continue
-            earlier = EARLIER.fullmatch(entry.name)
-            if earlier and all(n in objects.FILES or EARLIER_PART.fullmatch(n) for n in names):
-                _remove(entry.path)
-            elif KEY.fullmatch(entry.name) and names == set(objects.FILES):
-                fd = self._locked(entry.name, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if fd is None:
-                    continue
-                here = _is_folder(self.home / entry.name)  # the same pin's files: the earlier copy is dropped
-                gone = self.home / (entry.name if not here else f".{entry.name}.{uuid.uuid4().hex}.gone")
-                try:
-                    with suppress(OSError):  # another process's start took it first
-                        os.rename(entry.path, gone)
-                    if here:
-                        _remove(gone)
-                finally:
-                    self._release(entry.name, fd)
+            if names is not None and KEY.fullmatch(entry.name) and names == set(objects.FILES):
+                folders.append(entry)
+            elif names is not None and EARLIER.fullmatch(entry.name) and all(
+                    n in objects.FILES or EARLIER_PART.fullmatch(n) for n in names):
+                halves.append(entry)
+            else:
+                return  # another's thing: root is shared, and nothing of it is the tier's to touch
+        for entry in halves:
+            _remove(entry.path)
+        for entry in folders:
+            fd = self._locked(entry.name, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if fd is None:
+                continue
+            here = _is_folder(self.home / entry.name)  # the same pin's files: the earlier copy is dropped
+            gone = self.home / (entry.name if not here else f".{entry.name}.{uuid.uuid4().hex}.gone")
+            try:
+                with suppress(OSError):  # another process's start took it first
+                    os.rename(entry.path, gone)
+                if here:
+                    _remove(gone)
+            finally:
+                self._release(entry.name, fd)
 
     @property
     def nbytes(self) -> int:
