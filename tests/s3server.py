@@ -23,8 +23,10 @@ def free_port() -> int:
 class Faults:
     """What the proxy does to requests whose path contains `match` (every request where match is ""):
     mode None (forward), "500", "slow" (wait `seconds` first), "truncate" (half the body, then close),
-    "down" (close without an answer); only requests of `method` where one is given ("GET": the downloads, not
-    the HEADs that pin). gets counts the GETs of objects forwarded whole."""
+    "down" (close without an answer), "stall" (half the body, then `seconds` of nothing, then the rest),
+    "trickle" (the body in eight pieces, `seconds` apart), "no-if-match" (forwarded without its If-Match, as a
+    server or cache that ignores it answers); only requests of `method` where one is given ("GET": the
+    downloads, not the HEADs that pin). gets counts the GETs of objects forwarded whole."""
 
     def __init__(self) -> None:
         self.mode: str | None = None
@@ -32,6 +34,7 @@ class Faults:
         self.method: str | None = None
         self.seconds = 0.0
         self.gets = 0
+        self.hook = None  # called (no arguments) as a request it matches arrives, before anything is done to it
 
 
 def start(env: dict[str, str] | None = None) -> tuple[object, ThreadingHTTPServer, Faults, str]:
@@ -52,6 +55,8 @@ def start(env: dict[str, str] | None = None) -> tuple[object, ThreadingHTTPServe
         def forward(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             hit = faults.mode is not None and faults.match in self.path and faults.method in (None, self.command)
+            if hit and faults.hook is not None:
+                faults.hook()
             if hit and faults.mode == "down":
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
@@ -63,8 +68,10 @@ def start(env: dict[str, str] | None = None) -> tuple[object, ThreadingHTTPServe
                 return
             if hit and faults.mode == "slow":
                 time.sleep(faults.seconds)
+            headers = {k: v for k, v in self.headers.items()
+                       if not (hit and faults.mode == "no-if-match" and k.lower() == "if-match")}
             upstream = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-            upstream.request(self.command, self.path, body, dict(self.headers))
+            upstream.request(self.command, self.path, body, headers)
             answer = upstream.getresponse()
             data = answer.read()
             self.send_response(answer.status)
@@ -83,6 +90,18 @@ def start(env: dict[str, str] | None = None) -> tuple[object, ThreadingHTTPServe
                 return
             if self.command == "GET" and answer.status == 200 and "list-type" not in self.path:
                 faults.gets += 1
+            if hit and faults.mode in ("stall", "trickle") and self.command == "GET" and len(data) > 8:
+                pieces = [data[: len(data) // 2], data[len(data) // 2:]] if faults.mode == "stall" else \
+                    [data[i * len(data) // 8:(i + 1) * len(data) // 8] for i in range(8)]
+                for i, piece in enumerate(pieces):
+                    if i:
+                        time.sleep(faults.seconds)
+                    try:
+                        self.wfile.write(piece)
+                        self.wfile.flush()
+                    except OSError:  # the client gave up meanwhile
+                        return
+                return
             self.wfile.write(data)
 
         do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = forward

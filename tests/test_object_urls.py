@@ -121,6 +121,28 @@ def test_an_adapter_on_a_plain_http_server_is_pinned_by_head_and_served(server, 
     m.close()
 
 
+def test_a_file_replaced_on_a_plain_http_server_which_gives_no_etag_is_a_new_version(server, adapter, tmp_path):
+    import os
+
+    root = tmp_path / "www"
+    shutil.copytree(adapter, root / "swap")
+    quiet = type("Quiet", (SimpleHTTPRequestHandler,), {"log_message": lambda *a: None})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(quiet, directory=str(root)))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/swap/"
+        remote = objects.pin(url)
+        weights = root / "swap" / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[::-1])  # as long as before: only its time tells them apart
+        os.utime(weights, (weights.stat().st_atime, weights.stat().st_mtime + 10))
+        assert objects.pin(url) != remote, "a new pin: a new version"
+        replaced = r"adapter_model\.safetensors was replaced in the store since it was"
+        with pytest.raises(ValueError, match=replaced), DiskTier(tmp_path / "disk", 10**9).local(remote):
+            pass
+    finally:
+        httpd.shutdown()
+
+
 KEY, SECRET, SIGNATURE = "AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY", "c2lnbmF0dXJlZm9yZXZlcg"
 WITH_SECRETS = [f"s3://{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/", f"S3://{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/",
                 f"https://user:{SECRET}@127.0.0.1:9/urls/ok/", f"http://{SECRET}@127.0.0.1:9/urls/ok/",
@@ -130,7 +152,9 @@ WITH_SECRETS = [f"s3://{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/", f"S3://{KEY}:
                 f"s3://{KEY}%3A{SECRET}%40{s3server.BUCKET}/urls/ok/", f"ftp://{KEY}:{SECRET}@host/p/",
                 f"{BUCKET}/urls/ok/#{SECRET}", f"abfs://{KEY.lower()}:{SECRET}@acct.dfs.core.windows.net/p/",
                 f"s3:/{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/", f"s3:{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/",
-                f"s3:///{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/"]
+                f"s3:///{KEY}:{SECRET}@{s3server.BUCKET}/urls/ok/", f"s3://{KEY}:{SECRET}@{s3server.BUCKET}/team@x/",
+                f"s3://{KEY}:{SECRET[:9]}/{SECRET[9:]}@{s3server.BUCKET}/team@x/",
+                f"https://127.0.0.1:9/{SECRET[9:]}@127.0.0.1:9/urls/ok/", f"gs://{KEY}@{s3server.BUCKET}/ok/"]
 
 
 def secretless(text: str) -> bool:
@@ -172,6 +196,24 @@ def test_a_resolver_giving_a_url_with_credentials_fails_its_requests_without_the
     m.close()
 
 
+@pytest.mark.parametrize("key", ["team@x/sql", "a@b@c/sql", "@lead/sql"])
+def test_an_at_sign_in_a_bucket_url_path_is_a_key_s_and_no_credential(server, adapter, tmp_path, key):
+    from mstar.engine.resources.lora import urls
+
+    s3server.upload(adapter, f"urls/{key}")
+    url = f"{BUCKET}/urls/{key}/"
+    m = manager(tmp_path)
+    v = m.register("u", url)
+    assert v.digest == check_adapter_file(m.stores["language_model"].spec, "u", adapter)
+    assert [r.source for r in m.adapters().adapters] == [url] and urls.redacted(url) == url
+    resolver = ObjectStoreResolver(url.removesuffix("sql/"))
+    assert resolver("sql") == url and resolver("none") is None
+    with pytest.raises(ValueError) as e:
+        m.register("none", url.replace("/sql/", "/none/"))
+    assert str(e.value).startswith(f"adapter 'none' ({url.replace('/sql/', '/none/')}):"), "shown as it is"
+    m.close()
+
+
 def test_an_abfs_container_at_its_account_is_no_credential():
     from mstar.engine.resources.lora import urls
 
@@ -189,3 +231,14 @@ def test_a_source_near_a_url_is_checked_as_one_and_refused_unless_its_bucket_or_
     with pytest.raises(ValueError, match=r"^its (URL|bucket|host) (is|has) "):
         urls.checked(url)
     assert len(urls.redacted(url)) <= urls.SHOWN + 3
+
+
+def test_an_endpoint_with_credentials_shows_them_in_no_refusal(server, tmp_path, monkeypatch):
+    m = manager(tmp_path)
+    # the client's chain gives the endpoint (a store of its own: the bucket's name is this test's)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{KEY}:{SECRET}@127.0.0.1:{s3server.free_port()}")
+    with pytest.raises(ValueError) as e:
+        m.register("x", "s3://endpoint-with-credentials/p/")
+    assert str(e.value).startswith("adapter 'x' (s3://endpoint-with-credentials/p/): adapter_config.json could not")
+    assert secretless(str(e.value)) and "http://***@127.0.0.1:" in str(e.value), str(e.value)
+    m.close()

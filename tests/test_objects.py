@@ -103,15 +103,16 @@ def test_evicted_from_host_and_disk_it_is_fetched_again(server, adapters, tmp_pa
     m.close()
 
 
-@pytest.mark.parametrize("mode", ["500", "truncate", "down"])
+@pytest.mark.parametrize("mode", ["500", "truncate", "down", "stall"])
 def test_a_failing_bucket_fails_its_adapters_requests_only(server, adapters, tmp_path, mode):
     name = f"bad-{mode}"
     s3server.upload(adapters["other"], f"tenants/{name}")
     m = manager(tmp_path)
     m.register("local", adapters["local"])
     server.mode, server.match, server.method = mode, f"{name}/adapter_model", "GET"  # pinned; the download fails
+    server.seconds = 30.0  # a stall: half the body, then nothing for ten times the store's timeout
     try:
-        admitted, failed, _ = until_settled(m, [Request(1, name), Request(2, "local")])
+        admitted, failed, _ = until_settled(m, [Request(1, name), Request(2, "local")], limit=10000)
     finally:
         server.mode = server.method = None
     assert admitted == [2] and list(failed) == [1], "the local adapter served; the bucket's failed"
@@ -270,3 +271,37 @@ def test_the_disk_tier_downloads_once_for_concurrent_fetches_and_drops_the_least
             pass
     assert remotes[0] not in tier and remotes[1] in tier and remotes[2] in tier, "the least recent went"
     assert tier.nbytes <= tier.max_bytes
+
+
+def test_a_download_longer_than_the_store_timeout_that_keeps_coming_is_served(server, adapters, tmp_path):
+    s3server.upload(adapters["sql"], "tenants/long")
+    m = manager(tmp_path)
+    server.mode, server.match, server.method, server.seconds = "trickle", "long/adapter_model", "GET", 0.6
+    try:  # eight pieces 0.6 s apart: 4.2 s in all, past the 3 s MSTAR_LORA_OBJECT_TIMEOUT, never 3 s without a byte
+        v = m.register("long", PREFIX + "long/")
+    finally:
+        server.mode = server.method = None
+    assert v.digest == check_adapter_file(m.stores["language_model"].spec, "long", adapters["sql"])
+    m.close()
+
+
+def test_an_object_replaced_between_its_pin_and_its_get_is_refused_where_the_store_ignores_if_match(
+        server, adapters, tmp_path):
+    from mstar.engine.resources.lora import objects
+
+    s3server.upload(adapters["sql"], "tenants/ifm")
+    remote = objects.pin(PREFIX + "ifm/")
+    s3server.upload(adapters["other"], "tenants/ifm")  # replaced after the HEAD, before the GET
+    assert objects.pin(PREFIX + "ifm/").objects != remote.objects
+    assert [size for _, _, size in objects.pin(PREFIX + "ifm/").objects] == [size for _, _, size in remote.objects], \
+        "as long as the old: only the ETag tells them apart"
+    m = manager(tmp_path)
+    server.mode, server.match, server.method = "no-if-match", "ifm/", "GET"  # a cache that drops If-Match
+    try:
+        with pytest.raises(ValueError) as e:
+            m.register("ifm", remote)
+    finally:
+        server.mode = server.method = None
+    assert str(e.value).startswith(f"adapter 'ifm' ({PREFIX}ifm/") and "replaced in the store" in str(e.value)
+    assert remote not in m.disk_tier(), "the new object's bytes are kept under no folder of the old pin's"
+    m.close()

@@ -4,19 +4,28 @@ Everything it keeps lies in root/mstar-lora-tier, a folder of its own, and there
 names: a folder per pinned adapter (32 hex digits, a hash of its pin: a replaced object is another
 folder), its lock file (<hex>.lock), and its temporary names (.<hex>.part while it downloads,
 .<hex>.<hex>.gone while it is deleted). Anything else, in root or in its folder, is left alone, so root
-may be a directory others share.
+may be a directory others share. An earlier version kept its folders in root itself (root/<hex>, and
+.<hex>.<pid>.<tid> while it downloaded), and took root for its own: where root holds nothing but those
+(and the tier's folder), a start takes each such folder that holds exactly an adapter's two files into its
+own folder, to be used and dropped within max_bytes as any other, and removes such half downloads; a root
+holding anything else is shared, and is left as it is.
 
 Several processes may share one root (every rank of a node, servers on a shared volume), kept apart by
 flock on a folder's lock file: a download holds it exclusive (one download of a pin at a time, and a
 starting process removes a .part only where it can take the lock), a user of the folder holds it shared
-while it reads, and an eviction removes a folder only where it takes it exclusive without waiting. Files
+while it reads, and an eviction removes a folder only where it takes it exclusive without waiting. A wait
+for another process's download has a deadline: `wait` seconds in which its .part does not grow (a
+download stalled, a process stopped) fail the adapter, naming the lock file the other process holds. Files
 are downloaded to temporary names and renamed when whole, the folder renamed into place once every file
 is and renamed out of place before it is deleted: a partial folder is never read. Recency is a folder's
-mtime, touched at each use, so every process sharing root sees one LRU order.
+mtime, touched at each use, so every process sharing root sees one LRU order. Room is made before a
+download, not after it: the least recent folders go to leave max_bytes with it, and on a disk full even so
+(a budget larger than the disk) every folder not in use goes before the download is refused.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -38,15 +47,19 @@ HOME = "mstar-lora-tier"
 KEY = re.compile(r"[0-9a-f]{32}")
 PART = re.compile(r"\.([0-9a-f]{32})\.part")
 GONE = re.compile(r"\.[0-9a-f]{32}\.[0-9a-f]{32}\.gone")
+EARLIER = re.compile(r"\.([0-9a-f]{32})\.[0-9]+\.[0-9]+")  # an earlier version's download, in root itself
+EARLIER_PART = re.compile(r"\.(?:adapter_config\.json|adapter_model\.safetensors)\.[0-9]+\.part")
 ATTEMPTS = 3  # fetches of a folder that other processes evict as soon as it lands, before giving up
 POLL = 0.05  # seconds between looks at a download another process holds
+WAIT = 120.0  # seconds another process's download may go without progress (the resolver_timeout's default)
 
 
 class DiskTier:
-    """Remote adapters' files under root/mstar-lora-tier, at most max_bytes of them beside those in use."""
+    """Remote adapters' files under root/mstar-lora-tier, at most max_bytes of them beside those in use; at most
+    wait seconds waited for another process's download of one that makes no progress."""
 
-    def __init__(self, root: str | os.PathLike[str], max_bytes: int) -> None:
-        self.root, self.max_bytes = Path(root), max_bytes
+    def __init__(self, root: str | os.PathLike[str], max_bytes: int, wait: float = WAIT) -> None:
+        self.root, self.max_bytes, self.wait = Path(root), max_bytes, wait
         self.home = self.root / HOME
         self.home.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -62,10 +75,46 @@ class DiskTier:
             if GONE.fullmatch(entry.name):
                 _remove(entry.path)
             elif part:
-                fd = self._locked(part[1], fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if fd is not None:
-                    _remove(entry.path)
-                    self._release(part[1], fd)
+                with suppress(OSError):  # a lock it cannot take (a link at its name): its use is refused
+                    fd = self._locked(part[1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    if fd is not None:
+                        _remove(entry.path)
+                        self._release(part[1], fd)
+        with suppress(OSError):  # a root it may not read or change: what an earlier version left stays
+            self._adopt()
+
+    def _adopt(self) -> None:
+        """What an earlier version kept in root itself, where root holds nothing else (that version took root
+        for its own, so a root others share may hold an adapter of theirs in a 32-hex folder: left alone): its
+        whole folders taken in (dropped where the same pin's folder is here already; another process's to
+        take while it holds their lock), its half downloads removed."""
+        entries, folders, halves = list(os.scandir(self.root)), [], []
+        for entry in entries:
+            names = _plain_files(entry)
+            if entry.name == HOME:
+                continue
+            if names is not None and KEY.fullmatch(entry.name) and names == set(objects.FILES):
+                folders.append(entry)
+            elif names is not None and EARLIER.fullmatch(entry.name) and all(
+                    n in objects.FILES or EARLIER_PART.fullmatch(n) for n in names):
+                halves.append(entry)
+            else:
+                return  # another's thing: root is shared, and nothing of it is the tier's to touch
+        for entry in halves:
+            _remove(entry.path)
+        for entry in folders:
+            fd = self._locked(entry.name, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if fd is None:
+                continue
+            here = _is_folder(self.home / entry.name)  # the same pin's files: the earlier copy is dropped
+            gone = self.home / (entry.name if not here else f".{entry.name}.{uuid.uuid4().hex}.gone")
+            try:
+                with suppress(OSError):  # another process's start took it first
+                    os.rename(entry.path, gone)
+                if here:
+                    _remove(gone)
+            finally:
+                self._release(entry.name, fd)
 
     @property
     def nbytes(self) -> int:
@@ -101,8 +150,8 @@ class DiskTier:
                 future = self._fetching.get(key)
             if future is not None:  # this process's download of it: its outcome is this call's too
                 future.result()
-            fd: int | None = self._locked(key, fcntl.LOCK_SH)
-            if not _is_folder(folder):
+            fd = self._waited(key, fcntl.LOCK_SH)
+            if fd is not None and not _is_folder(folder):
                 os.close(fd)
                 fd = self._fetch(remote, key)
             if fd is not None and _is_folder(folder):
@@ -131,7 +180,7 @@ class DiskTier:
             if fd is not None:
                 try:
                     if not _is_folder(self.home / key):
-                        self._download(remote, key)
+                        self._make_room(remote, key)
                     fcntl.flock(fd, fcntl.LOCK_SH)  # Linux converts it at once; elsewhere _hold looks again
                 except BaseException:
                     self._release(key, fd)
@@ -149,13 +198,39 @@ class DiskTier:
     def _exclusive(self, key: str) -> int | None:
         """key's lock held exclusive to download it, or None once its folder is in place. Polled, not waited
         for: readers of a folder in place hold the lock shared as long as they read."""
+        return self._waited(key, fcntl.LOCK_EX)
+
+    def _waited(self, key: str, how: int) -> int | None:
+        """key's lock held `how` (LOCK_SH to read, LOCK_EX to download), polled while another process holds
+        it: None where an exclusive one is wanted and the folder stands in place (its readers hold it). A
+        ValueError naming the lock file once it has been held `wait` seconds while no .part of key grew."""
+        progress, deadline = None, time.monotonic() + self.wait
         while True:
-            fd = self._locked(key, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = self._locked(key, how | fcntl.LOCK_NB)
             if fd is not None:
                 return fd
-            if _is_folder(self.home / key):
+            if how == fcntl.LOCK_EX and _is_folder(self.home / key):
                 return None
+            now, seen = time.monotonic(), _progress(self.home / f".{key}.part")
+            if seen != progress:  # the holder's download goes on: its deadline with it
+                progress, deadline = seen, now + self.wait
+            elif now >= deadline:
+                raise ValueError(f"another process has held {self.home / f'{key}.lock'} for {self.wait:g} s while "
+                                 "its download made no progress (a download stalled, or a process stopped): "
+                                 "that process holds the adapter's files")
             time.sleep(POLL)
+
+    def _make_room(self, remote: Remote, key: str) -> None:
+        """remote downloaded into key (its lock held exclusive), room made for it first: the least recent
+        folders dropped to leave max_bytes with it, and every folder not in use if the disk is full even so."""
+        with suppress(OSError):
+            self._trim(self.max_bytes - remote.nbytes)
+        try:
+            self._download(remote, key)
+        except objects.LocalDisk as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._trim(0):
+                raise
+            self._download(remote, key)
 
     def _download(self, remote: Remote, key: str) -> None:
         """remote's files into .<key>.part, renamed to key once whole (key's lock held exclusive)."""
@@ -166,6 +241,7 @@ class DiskTier:
             for name, etag, size in remote.objects:
                 objects.download(remote, name, etag, size, part / name)
                 self.downloads += 1
+            _remove(self.home / key)  # no folder (_hold looked, under the lock), but maybe a link or a file
             os.rename(part, self.home / key)
             self._sizes[key] = remote.nbytes
         finally:
@@ -175,15 +251,17 @@ class DiskTier:
         """remote's folder dropped now, unless in use, here or by another process: whether it was."""
         return self._drop(_folder(remote))
 
-    def _trim(self) -> None:
-        """Folders dropped, least recently used first, until the rest fit max_bytes; one in use is skipped."""
-        folders = self._folders()
-        over = sum(n for _, _, n in folders) - self.max_bytes
+    def _trim(self, keep: int | None = None) -> bool:
+        """Folders dropped, least recently used first, until the rest fit keep bytes (max_bytes unless said);
+        one in use is skipped. Whether any was."""
+        folders, dropped = self._folders(), False
+        over = sum(n for _, _, n in folders) - (self.max_bytes if keep is None else keep)
         for _, key, n in sorted(folders):
             if over <= 0:
                 break
             if self._drop(key):
-                over -= n
+                over, dropped = over - n, True
+        return dropped
 
     def _drop(self, key: str) -> bool:
         fd = self._locked(key, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -228,12 +306,13 @@ class DiskTier:
         """key's lock file, open and flocked `how` (LOCK_SH or LOCK_EX, | LOCK_NB not to wait: None if another
         holds it). An eviction unlinks the file: a lock taken on one no longer at its path is taken again."""
         path = self.home / f"{key}.lock"
+        flags = os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW  # a link there makes no file where it points
         while True:
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                fd = os.open(path, flags, 0o666)
             except FileNotFoundError:  # its folder removed under it (a cache cleaned): made again
                 self.home.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                fd = os.open(path, flags, 0o666)
             try:
                 fcntl.flock(fd, how)
             except BlockingIOError:
@@ -266,8 +345,32 @@ def _is_folder(path: Path) -> bool:
         return False
 
 
+def _plain_files(entry: os.DirEntry[str]) -> set[str] | None:
+    """The names in a folder (not a link to one) that holds regular files alone, or None."""
+    try:
+        if not entry.is_dir(follow_symlinks=False):
+            return None
+        inside = list(os.scandir(entry.path))
+        return {e.name for e in inside} if all(e.is_file(follow_symlinks=False) for e in inside) else None
+    except OSError:
+        return None
+
+
+def _progress(part: Path) -> tuple[int, ...]:
+    """The sizes of what a download has written so far under part (none if there is no part)."""
+    try:
+        return tuple(sorted(e.stat(follow_symlinks=False).st_size for e in os.scandir(part)))
+    except OSError:
+        return ()
+
+
 def _remove(path: str | os.PathLike[str]) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Whatever stands at path gone: a folder with what it holds, a link (never where it points) or a file."""
+    if _is_folder(Path(path)):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _folder(remote: Remote) -> str:

@@ -15,6 +15,7 @@ metadata, and so on), never from the URL, and are never logged. Needs obstore (`
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass
@@ -28,7 +29,10 @@ from .checkpoint import CONFIG, WEIGHTS
 
 SCHEMES = tuple(f"{s}://" for s in urls.SCHEMES)
 FILES = (CONFIG, WEIGHTS)  # all that a local adapter folder is read from
-CHUNK = 8 << 20
+CHUNK = 1 << 20  # a download shows its progress on disk at least every MiB: a process waiting on it looks there
+MODIFIED = "last-modified "  # a pin's tag where the store gives no ETag
+IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S*")  # a URL in an error's text, to its first space
+TOTAL = timedelta(hours=1)  # a request's bound in all (a 10 GB file at 3 MB/s); a stall's is MSTAR_LORA_OBJECT_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,11 @@ class Remote:
     def __post_init__(self) -> None:
         if urls.checked(self.url) != self.url:
             raise ValueError(f"a Remote's URL is a checked prefix ending in '/' ({urls.checked(self.url)})")
+        shape = [(n, type(t), type(size)) for n, t, size in self.objects] if all(
+            isinstance(o, tuple) and len(o) == 3 for o in self.objects) else None
+        if shape != [(n, str, int) for n in FILES] or any(size < 0 for _, _, size in self.objects):
+            raise ValueError(f"a Remote's objects are ({', '.join(FILES)}), each (name, tag, size >= 0), in that "
+                             "order, as pin makes them: the files a folder is read from and no other path")
 
     def __str__(self) -> str:
         return self.url
@@ -69,9 +78,11 @@ def _store(url: str) -> Any:
     except ImportError:
         raise ValueError("an object-store URL needs obstore (pip install 'mstar-lora[objects]')") from None
     # AWS_ALLOW_HTTP (an endpoint on plain http, a local S3 server's) passed as the client option it is: obstore
-    # reads its client options' variables when it is imported, not when a store is made
-    return from_url(url, client_options={"timeout": os.environ.get("MSTAR_LORA_OBJECT_TIMEOUT", "30s"),
-                                         "connect_timeout": "5s",
+    # reads its client options' variables when it is imported, not when a store is made. The timeout bounds a
+    # stall (between two reads, the headers' wait too), not a request: a large file takes what it takes, and
+    # a whole request is bounded by TOTAL only
+    return from_url(url, client_options={"read_timeout": os.environ.get("MSTAR_LORA_OBJECT_TIMEOUT", "30s"),
+                                         "timeout": TOTAL, "connect_timeout": "5s",
                                          "allow_http": os.environ.get("AWS_ALLOW_HTTP", "false")},
                     retry_config={"max_retries": 2, "backoff": {"init_backoff": timedelta(milliseconds=50),
                                                                 "max_backoff": timedelta(seconds=1), "base": 2},
@@ -83,7 +94,15 @@ def pin(url: str) -> Remote:
     not, without repeating url)."""
     url = urls.checked(url)
     heads = {name: _head(url, name) for name in FILES}
-    return Remote(url, tuple((name, meta["e_tag"] or "", meta["size"]) for name, meta in heads.items()))
+    return Remote(url, tuple((name, _tag(meta), meta["size"]) for name, meta in heads.items()))
+
+
+def _tag(meta: dict[str, Any]) -> str:
+    """An object's version as its store tells it: its ETag, or where it gives none (a plain HTTP server),
+    its Last-Modified time, written so that it cannot be taken for an ETag (which starts with a quote)."""
+    if meta.get("e_tag"):
+        return meta["e_tag"]
+    return f"{MODIFIED}{meta['last_modified'].isoformat()}" if meta.get("last_modified") else ""
 
 
 def has_adapter(url: str) -> bool:
@@ -130,10 +149,19 @@ def download(remote: Remote, name: str, etag: str, size: int, dest: Path) -> Non
             raise ValueError(f"{name} came with {got} bytes, not the {size} it was pinned with")
         os.replace(tmp, dest)
     except OSError as e:  # the local disk's (full, unwritable, a name too long): the store's are ValueErrors
-        raise ValueError(f"{name} could not be written to the disk tier ({e.strerror or type(e).__name__})") from None
+        raise LocalDisk(f"{name} could not be written to the disk tier ({e.strerror or type(e).__name__})",
+                        e.errno) from None
     finally:
         with suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+
+class LocalDisk(ValueError):
+    """A download the local disk could not take; errno says why (ENOSPC: full)."""
+
+    def __init__(self, text: str, errno: int | None) -> None:
+        super().__init__(text)
+        self.errno = errno
 
 
 def _chunks(remote: Remote, name: str, etag: str) -> Iterator[bytes]:
@@ -141,12 +169,16 @@ def _chunks(remote: Remote, name: str, etag: str) -> Iterator[bytes]:
     import obstore
     from obstore.exceptions import NotFoundError, PreconditionError
 
+    conditional = etag and not etag.startswith(MODIFIED)
     try:
-        yield from obstore.get(store_for(remote.url), name, options={"if_match": etag} if etag else None).stream(
-            min_chunk_size=CHUNK)
+        got = obstore.get(store_for(remote.url), name, options={"if_match": etag} if conditional else None)
+        theirs = got.meta.get("e_tag") if conditional else _tag(got.meta)
+        if etag and theirs and theirs != etag:  # a server or cache that ignores If-Match, or gives no ETag
+            raise PreconditionError(theirs)
+        yield from got.stream(min_chunk_size=CHUNK)
     except PreconditionError:
-        raise ValueError(f"{name} was replaced in the store since it was checked (its ETag is no longer "
-                         f"{etag}): the new object is a new version") from None
+        raise ValueError(f"{name} was replaced in the store since it was checked (it is no longer {etag}): "
+                         "the new object is a new version") from None
     except (NotFoundError, FileNotFoundError):
         raise ValueError(f"{name} was deleted from the store since it was checked") from None
     except Exception as e:
@@ -154,6 +186,9 @@ def _chunks(remote: Remote, name: str, etag: str) -> Iterator[bytes]:
 
 
 def short(e: BaseException) -> str:
-    """An error's first line: obstore's carry the whole response and a debug dump after it."""
+    """An error's first line: obstore's carry the whole response and a debug dump after it. A URL in it (the
+    endpoint's, which the client's chain gives) is shown as urls.redacted shows one: no user:password@, no
+    query."""
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
+    line = IN_TEXT.sub(lambda m: urls.redacted(m[0]), text[0]) if text else ""
+    return f"{type(e).__name__}: {line[:300]}" if line else type(e).__name__

@@ -9,7 +9,10 @@ in the pin, the folder's hash and the listing.
 
 A URL carries no credentials: user:password@ or a signed query (X-Amz-Signature=...) is refused, and a
 refusal shows the URL redacted, since whatever it holds would otherwise stand in errors, logs and
-listings. Credentials come from the client's standard chain.
+listings. Credentials come from the client's standard chain. An '@' is a credential's only before the
+path: in a bucket's key (s3://bucket/team@x/adapter/) it is a name, taken and shown as it is, where the
+bucket is a plain name (a user:pass/word@bucket, a secret with a '/' in it, is no plain bucket). An http(s)
+path takes none: host:1234/word@host would pass for a host and port.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def redacted(url: str) -> str:
     characters."""
     found = SCHEME.match(url)
     head, rest = (url[:found.end()], url[found.end():]) if found else ("", url)
-    hidden = "@" in rest
+    hidden = "@" in rest and not _keyed(head[:-3].lower(), rest)
     if hidden:
         before, _, rest = rest.rpartition("@")
         if "?" in before or "#" in before:  # what follows the '@' may be the query's
@@ -71,8 +74,9 @@ def checked(url: str) -> str:
         raise ValueError(f"{scheme}:// is not an object store obstore reads ({', '.join(s + '://' for s in SCHEMES)})")
     rest = url[found.end():]
     host, _, path = rest.partition("/")
-    if "@" in rest and not (scheme == "abfs" and ABFS.fullmatch(host)):
-        raise ValueError(f"its URL carries credentials (user:password@, or an '@' anywhere): {CHAIN}")
+    if "@" in rest and not _keyed(scheme, rest):
+        raise ValueError(f"its URL carries credentials (user:password@, or an '@' before a bucket's path or in an "
+                         f"http(s) URL): {CHAIN}")
     if "?" in rest:
         raise ValueError(f"its URL has a query ('?'), which names no object, and a signature or token there is "
                          f"a credential: {CHAIN}")
@@ -89,6 +93,16 @@ def checked(url: str) -> str:
         if why:
             raise ValueError(f"its path has {why}: a prefix names what lies under it and nothing outside")
     return f"{scheme}://{host}/" + "".join(f"{s}/" for s in segments)
+
+
+def _keyed(scheme: str, rest: str) -> bool:
+    """Whether each '@' in rest (a URL after its scheme) is in a bucket's key, or an abfs container's at its
+    account: no credential."""
+    host = rest.partition("/")[0].split("?", 1)[0].split("#", 1)[0]
+    if scheme in ("http", "https") or "?" in rest or "#" in rest:
+        return False
+    return ABFS.fullmatch(host) is not None if scheme == "abfs" and "@" in host else \
+        BUCKET.fullmatch(host) is not None
 
 
 def unsafe(segment: str) -> str | None:

@@ -65,8 +65,8 @@ def check_path(stores: Mapping[str, LoraAdapterStore], name: str, path: str | os
 
 def named(e: ValueError, name: str, remote: Remote, tier: DiskTier) -> ValueError:
     """e as a refusal naming the adapter and its URL where the disk tier's folder for it (or its download's
-    temporary one) would stand."""
-    text = re.sub(re.escape(str(tier.home)) + r"/\.?[0-9a-f]{32}(?:\.part)?", remote.url.rstrip("/"), str(e))
+    temporary one) would stand; a lock file (which another process holds, say) is named as it is."""
+    text = re.sub(re.escape(str(tier.home)) + r"/\.?[0-9a-f]{32}(?:\.part)?(?!\.lock)", remote.url.rstrip("/"), str(e))
     return ValueError(text) if text.startswith(f"adapter {name!r}") else refusal(name, remote.url, [text])
 
 
