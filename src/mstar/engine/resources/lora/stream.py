@@ -1,0 +1,72 @@
+"""One pass over a weights file on the calling thread: each block read into a buffer of the thread's own,
+then hashed there, while it is still in the core's cache.
+
+The startup check hashes many files at once, one a worker: every core is busy hashing already, so a
+second thread reading ahead of each hash only hands blocks from one core's cache to another's. Read and
+hashed on one thread, a block is copied from the page cache once and hashed from cache (both GIL
+released: os.preadv, and blake3's update of a buffer this large). The file's first bytes come in the
+same pass: they are compared with the header the check parsed, so bytes of another header are never
+hashed under this one's manifest.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Callable
+
+import blake3
+
+from .source import FileSource
+
+# Small enough that a block is hashed from the core's cache right after it is copied there, large enough
+# that a read's system call is nothing beside it. Measured here, two workers over 200 files: 64 KB to
+# 1 MB within 5% of one another, 2 MB 10% slower.
+BLOCK = 256 << 10
+
+Visit = Callable[[int, memoryview], None]
+
+_BUFFERS = threading.local()
+
+
+def thread_block(nbytes: int = BLOCK) -> memoryview:
+    """This thread's buffer of nbytes, kept for its next file: an anonymous mapping, so page-aligned, and
+    faulted in once rather than on every file."""
+    have = getattr(_BUFFERS, "block", None)
+    if have is None or len(have) != nbytes:
+        have = memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+        _BUFFERS.block = have
+    return have
+
+
+def stream_hash(source: FileSource, runs: list[tuple[int, int]], prefix: bytes, threads: int = 1,
+                visit: Visit | None = None, block: int = BLOCK) -> bytes:
+    """The BLAKE3 (on threads cores) of the runs' bytes of the open file, each shown to visit(offset,
+    bytes) first. prefix, the bytes the header was parsed from (the file's first ones), is read in the
+    same pass where the runs start right after it, and compared: ValueError if the file's differ (it was
+    rewritten in place since), or if it ends before a run does."""
+    h = blake3.blake3(max_threads=threads)
+    skip = 0
+    if runs and runs[0][0] == len(prefix):
+        runs, skip = [(0, runs[0][1]), *runs[1:]], len(prefix)
+    elif source.read(len(prefix), 0) != prefix:
+        raise ValueError(HEADER_CHANGED)
+    buf = thread_block(block)
+    for start, stop in runs:
+        at = start
+        while at < stop:
+            view = buf[: min(block, stop - at)]
+            source.read_into([view], at)
+            lo = 0
+            if at < skip:  # the header's bytes: compared, not hashed
+                lo = min(skip - at, len(view))
+                if view[:lo].tobytes() != prefix[at : at + lo]:
+                    raise ValueError(HEADER_CHANGED)
+            if visit is not None:
+                visit(at + lo, view[lo:])
+            h.update(view[lo:])
+            at += len(view)
+    return h.digest()
+
+
+HEADER_CHANGED = "its header changed since it was read: the file was rewritten in place"
