@@ -133,15 +133,16 @@ class AfterFirstRead:
     """Runs act once, after the stream's first block is read (the header checked, hashing begun)."""
 
     def __init__(self, monkeypatch, act):
-        original, self.done = FileSource.read_into, False
+        original, self.done = os.preadv, False
 
-        def read_into(source, views, at):
-            original(source, views, at)
+        def preadv(fd, views, at):
+            got = original(fd, views, at)
             if not self.done:
                 self.done = True
                 act()
+            return got
 
-        monkeypatch.setattr(FileSource, "read_into", read_into)
+        monkeypatch.setattr(os, "preadv", preadv)
 
 
 def rewrite_in_place(file: Path, new: bytes) -> None:

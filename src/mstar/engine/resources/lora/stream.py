@@ -12,6 +12,7 @@ hashed under this one's manifest.
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 from collections.abc import Callable
 
@@ -51,21 +52,25 @@ def stream_hash(source: FileSource, runs: list[tuple[int, int]], prefix: bytes, 
         runs, skip = [(0, runs[0][1]), *runs[1:]], len(prefix)
     elif source.read(len(prefix), 0) != prefix:
         raise ValueError(HEADER_CHANGED)
-    buf = thread_block(block)
+    buf, fd = thread_block(block), source.fd
     for start, stop in runs:
         at = start
         while at < stop:
-            view = buf[: min(block, stop - at)]
-            source.read_into([view], at)
+            n = min(block, stop - at)
+            view = buf[:n]
+            got = os.preadv(fd, [view], at)
+            if got < n:  # the rest, or a refusal where the file ends
+                source.read_into([view[got:]], at + got)
             lo = 0
             if at < skip:  # the header's bytes: compared, not hashed
-                lo = min(skip - at, len(view))
+                lo = min(skip - at, n)
                 if view[:lo].tobytes() != prefix[at : at + lo]:
                     raise ValueError(HEADER_CHANGED)
+                view = view[lo:]
             if visit is not None:
-                visit(at + lo, view[lo:])
-            h.update(view[lo:])
-            at += len(view)
+                visit(at + lo, view)
+            h.update(view)
+            at += n
     return h.digest()
 
 
