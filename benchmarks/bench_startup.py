@@ -8,6 +8,7 @@ many threads, each file on one (the faster of that and one file at a time on eve
 Beside them: the same files read with os.preadv into a buffer and hashed there, one thread a file (what
 a check that maps nothing could cost at least), and, with --main-src, another checkout's check_adapters
 loaded in this process under another name, timed in the same rounds.
+Each run's CPU time (every thread's) is shown too: load from other processes stretches wall times, not work.
 Memory is read as resident anonymous memory after checking the first tenth and after all of them.
 """
 
@@ -122,11 +123,13 @@ def main() -> None:
         assert other.check_adapters(other_spec) == check_adapters(spec), "the two checkouts' digests differ"
         fns["main's check"] = lambda: other.check_adapters(other_spec)
     times: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(9):
         for name, fn in fns.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn()
             times[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
     anon_all = status_kb("RssAnon")
     med = {k: statistics.median(v) for k, v in times.items()}
     raw = min(med["hash per file"], med["hash every core"])
@@ -139,6 +142,11 @@ def main() -> None:
     if theirs is not None:
         print(f"main's check_adapters: {theirs:.3f} s ({raw / theirs:.2f}x BLAKE3 alone); this one at "
               f"{theirs / med['check']:.2f}x its throughput")
+    work = {k: statistics.median(v) for k, v in cpu.items()}
+    print("CPU seconds a run (every thread; what load does not stretch): "
+          + ", ".join(f"{k} {v:.3f}" for k, v in work.items())
+          + f" -> check_adapters' work {min(work['hash per file'], work['hash every core']) / work['check']:.2f}x "
+          "BLAKE3 alone's")
     print(f"memory: resident anonymous {anon_tenth / 1e3:.1f} MB after checking {n // 10} adapters, "
           f"{anon_all / 1e3:.1f} MB after checking all {n} nine more times ({(anon_all - anon_tenth) / 1e3:+.1f} MB)")
     print(f"digests: {len(check_adapters(spec))} of {n}")

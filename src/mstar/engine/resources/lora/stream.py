@@ -25,6 +25,11 @@ from .source import FileSource
 # 1 MB within 5% of one another, 2 MB 10% slower.
 BLOCK = 256 << 10
 
+# Every update but a run's last ends at a multiple of this many bytes hashed: BLAKE3 hashes 16 of its 1 KiB
+# chunks at once only from a count of chunks hashed that 16 divides, so an update begun elsewhere hashes
+# its first chunks a few at a time (6% slower here, with the data beginning past a header of any length).
+ALIGN = 64 << 10
+
 Visit = Callable[[int, memoryview], None]
 
 _BUFFERS = threading.local()
@@ -52,18 +57,21 @@ def stream_hash(source: FileSource, runs: list[tuple[int, int]], prefix: bytes, 
         runs, skip = [(0, runs[0][1]), *runs[1:]], len(prefix)
     elif source.read(len(prefix), 0) != prefix:
         raise ValueError(HEADER_CHANGED)
-    buf, fd = thread_block(block), source.fd
+    buf, fd, hashed = thread_block(block), source.fd, 0
     for start, stop in runs:
         at = start
         while at < stop:
             n = min(block, stop - at)
+            lo = min(max(skip - at, 0), n)  # the header's bytes in this block: compared, not hashed
+            trim = (hashed + n - lo) % ALIGN
+            if at + n < stop and n - trim > lo:  # so the next update starts where the hash's tree is aligned
+                n -= trim
+            hashed += n - lo
             view = buf[:n]
             got = os.preadv(fd, [view], at)
             if got < n:  # the rest, or a refusal where the file ends
                 source.read_into([view[got:]], at + got)
-            lo = 0
-            if at < skip:  # the header's bytes: compared, not hashed
-                lo = min(skip - at, n)
+            if lo:
                 if view[:lo].tobytes() != prefix[at : at + lo]:
                     raise ValueError(HEADER_CHANGED)
                 view = view[lo:]
