@@ -298,7 +298,16 @@ def most_tensors(specs: Sequence[LoraSpec]) -> int:
 
 
 def adapter_problems(specs: Sequence[LoraSpec], ckpt: Checkpoint) -> dict[str, str]:
-    """module -> why, over every node: misfits anywhere, and modules no node maps."""
+    """module -> why, over every node: misfits anywhere, and modules no node maps. Once per header, specs and
+    config, as the inspections it joins are (so the dict is shared: read it, never change it)."""
+    key = ("problems", tuple(specs), repr(ckpt.config))
+    memo = ckpt.header.memo
+    if key not in memo:
+        memo[key] = _problems(specs, ckpt)
+    return memo[key]
+
+
+def _problems(specs: Sequence[LoraSpec], ckpt: Checkpoint) -> dict[str, str]:
     infos = [inspect_checkpoint(s, ckpt) for s in specs]
     problems: dict[str, str] = {}
     names = ", ".join(s.name for s in specs)

@@ -56,7 +56,10 @@ class FileSource:
 
     def read(self, nbytes: int, at: int) -> bytes:
         """nbytes from offset at, fewer only where the file ends first."""
-        out = bytearray()
+        first = os.pread(self.fd, nbytes, at)
+        if len(first) == nbytes or not first:  # the whole of it at once, as a regular file gives it
+            return first
+        out = bytearray(first)
         while len(out) < nbytes:
             got = os.pread(self.fd, nbytes - len(out), at + len(out))
             if not got:
