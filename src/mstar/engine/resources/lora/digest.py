@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import threading
@@ -72,14 +73,19 @@ def streams_from_file(checkpoint: Checkpoint) -> bool:
 
 
 class _Take:
-    """A visit copying out the bytes of a few small tensors (by start) as the hash's blocks pass."""
+    """A visit copying out the bytes of small tensors (by start) as the hash's blocks pass: only those a block
+    overlaps are looked at (a kohya file holds hundreds of alphas, its hash thousands of blocks)."""
 
     def __init__(self, into: list[tuple[int, memoryview]]) -> None:
-        self.into = into
+        self.into = sorted(into, key=lambda item: item[0])
+        self.starts = [start for start, _ in self.into]
 
     def __call__(self, at: int, view: memoryview) -> None:
         stop = at + len(view)
-        for start, out in self.into:
+        for i in range(max(bisect.bisect_right(self.starts, at) - 1, 0), len(self.into)):
+            start, out = self.into[i]
+            if start >= stop:
+                break
             lo, hi = max(start, at), min(start + len(out), stop)
             if lo < hi:
                 out[lo - start : hi - start] = view[lo - at : hi - at]
