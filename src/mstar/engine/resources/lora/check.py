@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .adapter_config import AdapterConfig
 from .checkpoint import Checkpoint, open_checkpoint
-from .digest import HASH_ON_EVERY_CORE, adapter_digest
+from .digest import HASH_ON_EVERY_CORE, adapter_digest, file_digest, streams_from_file
 from .experts import checkpoint_orientations, stacked_misfit
 from .header_json import no_collection
 from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
@@ -286,7 +286,8 @@ def check_checkpoint(spec: LoraSpec, ckpt: Checkpoint, others: Sequence[LoraSpec
     digests: dict = {}
     for s in specs:  # once per way the specs convert the checkpoint
         if s.convert_keys not in digests:
-            digests[s.convert_keys] = adapter_digest(ckpt, s.convert_keys, threads=hash_threads)
+            digests[s.convert_keys] = (file_digest(ckpt, s.convert_keys, hash_threads) if streams_from_file(ckpt)
+                                       else adapter_digest(ckpt, s.convert_keys, threads=hash_threads))
     return digests[spec.convert_keys]
 
 
@@ -297,7 +298,16 @@ def most_tensors(specs: Sequence[LoraSpec]) -> int:
 
 
 def adapter_problems(specs: Sequence[LoraSpec], ckpt: Checkpoint) -> dict[str, str]:
-    """module -> why, over every node: misfits anywhere, and modules no node maps."""
+    """module -> why, over every node: misfits anywhere, and modules no node maps. Once per header, specs and
+    config, as the inspections it joins are (so the dict is shared: read it, never change it)."""
+    key = ("problems", tuple(specs), repr(ckpt.config))
+    memo = ckpt.header.memo
+    if key not in memo:
+        memo[key] = _problems(specs, ckpt)
+    return memo[key]
+
+
+def _problems(specs: Sequence[LoraSpec], ckpt: Checkpoint) -> dict[str, str]:
     infos = [inspect_checkpoint(s, ckpt) for s in specs]
     problems: dict[str, str] = {}
     names = ", ".join(s.name for s in specs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import threading
@@ -13,7 +14,8 @@ import blake3
 from .checkpoint import Checkpoint
 from .keys import ConvertKeys
 from .safetensors_header import TensorEntry
-from .source import Source
+from .source import FileSource, Source
+from .stream import BLOCK, stream_hash
 
 # Bumped whenever what the digest covers changes, so old and new digests never collide.
 DOMAIN = b"mstar-lora adapter digest v1\0"
@@ -31,8 +33,62 @@ def adapter_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, *, threads
     pushed tensors, never mapped: a file cut meanwhile ends the hash with a refusal, not a SIGBUS.
     """
     data = data_digest(checkpoint, convert_keys, threads) if data is None else data
-    head = manifest(checkpoint, convert_keys)
-    return blake3.blake3(DOMAIN + len(head).to_bytes(8, "little") + head + data).digest()
+    return head_hash(checkpoint, convert_keys).copy().update(data).digest()
+
+
+def head_hash(checkpoint: Checkpoint, convert_keys: ConvertKeys) -> blake3.blake3:
+    """The digest's hash with the domain and manifest taken in, before the data's digest: once per header and
+    scalings, copied for each adapter (of a recipe's, only the data's digest differs)."""
+    scalings = checkpoint.scalings(convert_keys)
+    key = ("digest head", convert_keys, tuple(scalings.items()))
+    if key not in checkpoint.header.memo:
+        head = manifest(checkpoint, convert_keys)
+        checkpoint.header.memo[key] = blake3.blake3(DOMAIN + len(head).to_bytes(8, "little") + head)
+    return checkpoint.header.memo[key]
+
+
+def file_digest(checkpoint: Checkpoint, convert_keys: ConvertKeys, threads: int = 1) -> bytes:
+    """adapter_digest of a checkpoint read from its open file in one pass over its bytes (stream.py): the
+    header's bytes compared with those it was parsed from, the alpha tensors' values taken from the bytes
+    hashed (so the manifest's scalings are those that hashed), and the file as it was opened once hashed,
+    in size and modification time. So a file rewritten in place while it is checked is refused, never given
+    a digest of bytes from before and after the write."""
+    source = checkpoint.source
+    alphas = [(e.start, memoryview(bytearray(e.nbytes))) for e in checkpoint.alpha_entries(convert_keys)]
+    try:
+        data = stream_hash(source, hash_runs(checkpoint, convert_keys), checkpoint.header.prefix, threads,
+                           visit=_Take(alphas) if alphas else None, block=BLOCK if threads == 1 else CHUNK)
+        why = source.changes()
+        if why is not None:
+            raise ValueError(why)
+    except ValueError as e:
+        raise checkpoint.refusal([str(e)]) from None
+    hashed = checkpoint.with_alphas({at: v.tobytes() for at, v in alphas}) if alphas else checkpoint
+    return adapter_digest(hashed, convert_keys, data=data)
+
+
+def streams_from_file(checkpoint: Checkpoint) -> bool:
+    """Whether file_digest reads this checkpoint: one read from its own open file, not pushed tensors."""
+    return checkpoint.tensors is None and isinstance(checkpoint.source, FileSource)
+
+
+class _Take:
+    """A visit copying out the bytes of small tensors (by start) as the hash's blocks pass: only those a block
+    overlaps are looked at (a kohya file holds hundreds of alphas, its hash thousands of blocks)."""
+
+    def __init__(self, into: list[tuple[int, memoryview]]) -> None:
+        self.into = sorted(into, key=lambda item: item[0])
+        self.starts = [start for start, _ in self.into]
+
+    def __call__(self, at: int, view: memoryview) -> None:
+        stop = at + len(view)
+        for i in range(max(bisect.bisect_right(self.starts, at) - 1, 0), len(self.into)):
+            start, out = self.into[i]
+            if start >= stop:
+                break
+            lo, hi = max(start, at), min(start + len(out), stop)
+            if lo < hi:
+                out[lo - start : hi - start] = view[lo - at : hi - at]
 
 
 def manifest(checkpoint: Checkpoint, convert_keys: ConvertKeys) -> bytes:

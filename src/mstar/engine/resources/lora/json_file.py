@@ -38,16 +38,32 @@ def read_json(path: str | os.PathLike[str], *, limit: int = MAX_JSON_BYTES,
         fd = os.open(path, flags)
     except OSError as e:
         raise ValueError(f"unreadable ({e.strerror or e})") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise ValueError("not a regular file (a FIFO, socket or device)")
-        try:
-            data = f.read(limit + 1)
-        except OSError as e:  # /proc/self/mem is a "regular file" too
-            raise ValueError(f"unreadable ({e.strerror or e})") from None
+        data = _read_all(fd, limit + 1, st.st_size + 1)
+    finally:
+        os.close(fd)
     if len(data) > limit:
         raise ValueError(f"over {limit // (1024 * 1024)} MiB, far past any config")
     return parse_json(data, object_pairs_hook=object_pairs_hook)
+
+
+def _read_all(fd: int, most: int, size: int) -> bytes:
+    """Up to most bytes of an open file, read until it ends: size (what fstat said, and one more) at first,
+    so a regular file comes in one read, then 64 KiB at a time for one that grew (or says 0, as /proc's do)."""
+    parts, got = [], 0
+    try:
+        while got < most:
+            part = os.read(fd, min(most - got, size if not parts else 1 << 16))
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+    except OSError as e:  # /proc/self/mem is a "regular file" too
+        raise ValueError(f"unreadable ({e.strerror or e})") from None
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def parse_json(data: bytes | str, *, object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:

@@ -45,7 +45,7 @@ class FileSource:
         if not stat.S_ISREG(st.st_mode):
             self.close()
             raise OSError(f"{self.path.name} is not a regular file")
-        self.fd, self.size = fd, st.st_size
+        self.fd, self.size, self.mtime_ns = fd, st.st_size, st.st_mtime_ns
 
     def close(self) -> None:
         self._close()
@@ -56,7 +56,10 @@ class FileSource:
 
     def read(self, nbytes: int, at: int) -> bytes:
         """nbytes from offset at, fewer only where the file ends first."""
-        out = bytearray()
+        first = os.pread(self.fd, nbytes, at)
+        if len(first) == nbytes or not first:  # the whole of it at once, as a regular file gives it
+            return first
+        out = bytearray(first)
         while len(out) < nbytes:
             got = os.pread(self.fd, nbytes - len(out), at + len(out))
             if not got:
@@ -81,6 +84,16 @@ class FileSource:
     def unchanged(self) -> bool:
         """Whether the file still has the size it was opened with (a rewrite in place may keep it)."""
         return os.fstat(self.fd).st_size == self.size
+
+    def changes(self) -> str | None:
+        """Why the file is not as it was opened, or None: its size changed, or it was written (its
+        modification time moved; a new version renamed over the path leaves this one's alone)."""
+        st = os.fstat(self.fd)
+        if st.st_size != self.size:
+            return "the file changed size since its header was read"
+        if st.st_mtime_ns != self.mtime_ns:
+            return "the file was written while it was checked: check it again once it is written"
+        return None
 
 
 class TensorSource:
