@@ -56,7 +56,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     "header_json.py": (f"{T}safetensors_header.py",),
     "checkpoint.py": (f"{T}header_memory.py", f"{T}check.py"),
     "keys.py": (f"{T}trainers.py", f"{T}check.py", f"{T}flux.py"),
-    **{m: (f"{T}call_lifecycle.py", f"{T}call_faults.py", f"{T}manager_calls.py")
+    **{m: (f"{T}call_lifecycle.py", f"{T}call_shutdown.py", f"{T}call_faults.py", f"{T}manager_calls.py")
        for m in ("calls.py", "registrations.py", "resolution.py", "registry.py")},
     **{f"models/{m}.py": (f"{T}derived_rules.py", f"{T}derived_builders.py", f"{T}derived_sweep.py")
        for m in ("sites", "rules", "derived")},
@@ -457,10 +457,15 @@ MUTANTS: list[Mutant] = [
     M("manager.wait-ignores-timeout", "manager.py", "self._resolution.expire()  # one past",
       "pass  # one past", "wait_for_reads waits on a resolver that hangs past resolver_timeout",
       tests=(f"{T}call_lifecycle.py",)),
-    M("manager.close-mid-round", "manager.py",
-      "between = self._rounds.acquire(timeout=max(self._calls.within, 1.0))", "between = False",
-      "close tells a caller its call was not applied while the round in flight applies it",
-      tests=(f"{T}call_lifecycle.py",)),
+    M("manager.close-mid-round", "manager.py", "        with self._rounds:  # between rounds, never within one",
+      "        if True:  # between rounds, never within one",
+      "close tells a caller its call was not applied while the round in flight applies it, and drops the group "
+      "under the step", tests=(f"{T}call_shutdown.py",)),
+    M("calls.failed-round-pins", "calls.py", "                self._release()\n            raise\n",
+      "            raise\n", "a caller whose round's collective failed waits for ever"),
+    M("resolution.close-leaves-queued", "resolution.py", "                if not r.started and not r.done.done():\n"
+      "                    r.done.set_result(None)\n", "                pass\n",
+      "wait_for_reads after close waits on resolutions that never start"),
     M("registry.page-short", "registry.py", "                if len(out) == limit:\n                    break\n",
       "                if len(out) == limit:\n                    break\n            elif len(out) + 1 < limit:\n"
       "                break\n", "a listing ends early where names were unregistered under it"),

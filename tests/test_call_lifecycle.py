@@ -1,7 +1,7 @@
 """Calls and resolutions over a manager's life: an engine whose stepping thread changes, a registration made
 while its name is being resolved, a resolver past its time while the engine waits for reads, calls applied
 from two threads at once, unregistering what a resolution left, reloads queued in another order on each rank,
-a listing racing unregistrations, and a manager closed with callers waiting. Nothing hangs, and what is
+and a listing racing unregistrations (closing: test_call_shutdown.py). Nothing hangs, and what is
 served is what was registered."""
 
 from __future__ import annotations
@@ -272,66 +272,11 @@ def test_a_listing_racing_unregistrations_lists_every_name_registered_throughout
         sys.setswitchinterval(interval)
 
 
-def closing_rank(rank: int, world_size: int, rendezvous: str, path: str, out: str) -> None:
-    m = ranked(rank, world_size, rendezvous)
-    results = []
-    t = threading.Thread(target=lambda: results.append(outcome(lambda: m.register("a", path))))
-    t.start()
-    time.sleep(0.5)  # queued, waiting for a step that never comes
-    m.close()
-    t.join(20)
-    results.append(outcome(lambda: m.register("b", path)))
-    alive = t.is_alive()
-    dist.barrier()
-    dist.destroy_process_group()
-    import torch
-
-    torch.save((results, alive), out)
-
-
-def test_closing_a_manager_refuses_the_calls_waiting_on_it(tmp_path):
-    _, path = make_adapter(tmp_path, name="a", seed=1, config=CONFIG)
-    results, alive = spawn(closing_rank, tmp_path, str(path), world_size=1, limit=60)
-    assert not alive, "a caller still waits on a closed manager"
-    assert results == ["adapter 'a': register was not applied: the manager was closed",
-                       "adapter 'b': register was not applied: the manager was closed"]
-
-
 def wait_until(pred, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < deadline, "never came"
         time.sleep(0.01)
-
-
-def close_racing_rank(rank: int, world_size: int, rendezvous: str, path: str, out: str) -> None:
-    """Rank 0 closes its manager from another thread while its step's round (which took a call in) waits for
-    rank 1."""
-    m = ranked(rank, world_size, rendezvous, agree_within=5.0)
-    m.step([], [])
-    res = {}
-    caller = threading.Thread(target=lambda: res.__setitem__("caller", outcome(lambda: m.register("x", path))))
-    caller.start()  # waits for the next step
-    wait_until(lambda: len(m._calls) == 1)
-    if rank == 0:
-        stepping = threading.Thread(target=lambda: res.__setitem__("step", outcome(lambda: m.step([], []))))
-        stepping.start()  # takes the call in, then waits in its round for rank 1
-        time.sleep(0.5)
-        m.close()
-        stepping.join(15)
-    else:
-        time.sleep(1.5)
-        res["step"] = outcome(lambda: m.step([], []))
-    caller.join(15)
-    res["registered"] = "x" in m.registry
-    finish(m, world_size, res, out)
-
-
-def test_closing_a_manager_while_its_step_is_in_a_round_tells_the_caller_what_the_round_did(tmp_path):
-    _, path = make_adapter(tmp_path, name="x", seed=1, config=CONFIG)
-    r0, r1 = spawn(close_racing_rank, tmp_path, str(path), limit=90)
-    assert r0 == r1 == {"caller": "ok", "step": "ok", "registered": True}, \
-        "the round in flight finished before the close: applied on both ranks, and its caller told so"
 
 
 def reordered_rank(rank: int, world_size: int, rendezvous: str, files: list[str], out: str) -> None:

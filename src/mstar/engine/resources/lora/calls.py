@@ -150,6 +150,16 @@ class Calls:
                 self._queue.clear()
         if self.group is None:
             return [(c, outcome(c.checked, [c.describe()[3]])) for c in mine]
+        try:
+            return self._round(round_, mine)
+        except BaseException:  # a collective failed (a rank gone): its calls are their callers' to give up again
+            with self._lock:
+                for c in self._queue:
+                    c.last_round = time.monotonic()
+                self._release()
+            raise
+
+    def _round(self, round_: int, mine: list[Call]) -> list[Applied]:
         while True:
             header = torch.tensor([round_, -round_, len(mine)], dtype=torch.int64)
             dist.all_reduce(header, op=dist.ReduceOp.MAX, group=self.group)

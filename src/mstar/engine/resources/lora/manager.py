@@ -394,19 +394,16 @@ class LoraManager(Registrations):
             wait(pending, timeout=None if until == math.inf else max(0.0, until - time.monotonic()))
 
     def close(self) -> None:
-        """Refuse the calls still queued (their callers told why), wait for reads under way, stop the workers,
+        """Refuse calls made from now on; once a step's round in flight has finished (on a rank waiting for a
+        peer that is gone, when the group's own timeout ends it), refuse the calls still queued (their callers
+        told why); then wait for reads under way, stop the workers,
         and let go of the process group, so that it goes with destroy_process_group rather than whenever the
         manager is collected (a gloo group destroyed at interpreter exit can abort the process). Calls made
         after it are refused."""
-        # between rounds, never within one (a step's round on another thread finishes first); a round stuck on
-        # a rank that is gone is waited for at most agree_within
-        between = self._rounds.acquire(timeout=max(self._calls.within, 1.0))
-        try:
+        self._calls.closed = "the manager was closed"  # calls made from now on refused at once
+        with self._rounds:  # between rounds, never within one: a step's round on another thread finishes first
             self._calls.close("the manager was closed")
             self.group = self._calls.group = None
-        finally:
-            if between:
-                self._rounds.release()
         self._workers.shutdown(wait=True)
         if self._resolution is not None:
             self._resolution.close()

@@ -183,6 +183,9 @@ class Resolution:
         deadline = time.monotonic() + timeout
         with self._lock:
             self._queued.clear()
+            for r in self._resolving.values():  # never to start: nothing waits on them
+                if not r.started and not r.done.done():
+                    r.done.set_result(None)
             threads = list(self._threads)
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
