@@ -36,6 +36,7 @@ def test_stacked_experts_give_every_expert_slice_its_rank(tmp_path):
     spec = specs_from_config(CONFIGS["qwen3_moe"], max_rank=8, max_expert_rank=4)["experts"]
     ad = LoraAdapterStore(spec, pin=False).read("ad", path)
     assert (ad.ranks["experts_gate_up"] == 4).all() and (ad.ranks["experts_down"] == 2).all()
+    assert ad.rank == 4, "the adapter's rank is its largest module's (gate_up_proj's 4), not down_proj's 2"
 
 
 def test_a_slot_takes_its_adapters_ranks_and_loses_them_to_the_next(tmp_path):
