@@ -11,28 +11,18 @@ import shutil
 import sys
 import threading
 import time
-from datetime import timedelta
 
-import torch.distributed as dist
 from managers import one_node, settle
+from test_call_faults import ranked
 from test_manager_calls import CONFIG, finish, spawn
 from tiny import make_adapter
 
-from mstar.engine.resources.lora import LoraAdapterStore, LoraDevicePool, specs_from_config
+from mstar.engine.resources.lora import specs_from_config
 from mstar.engine.resources.lora.calls import Calls
 from mstar.engine.resources.lora.check import check_adapter_file
 from mstar.engine.resources.lora.manager import LoraManager, Request
 from mstar.engine.resources.lora.resolution import Resolution
 from mstar.engine.resources.lora.resolvers import FolderResolver
-
-
-def ranked(rank: int, world_size: int, rendezvous: str, **kw) -> LoraManager:
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=60))
-    spec = specs_from_config(CONFIG, max_rank=8, capacity=3)["language_model"]
-    return LoraManager({"language_model": LoraAdapterStore(spec, rank, world_size, pin=False)},
-                       {"language_model": LoraDevicePool(spec, 2, rank=rank, world_size=world_size)},
-                       group=dist.group.WORLD, **kw)
 
 
 def outcome(fn) -> str:

@@ -84,8 +84,7 @@ class Calls:
             if self.closed is None:
                 self._queue.append(call)
             else:
-                call.done.set_exception(ValueError(f"adapter {', '.join(map(repr, names))}: {kind} was not "
-                                                   f"applied: {self.closed}"))
+                call.done.set_exception(_not_applied(call, self.closed))
             return call
 
     def _take(self) -> list[Call]:
@@ -129,8 +128,7 @@ class Calls:
         with self._lock:
             queue, self._queue, self.closed = self._queue, [], why
         for call in queue:
-            self.settle(call, ValueError(f"adapter {', '.join(map(repr, call.names))}: {call.kind} was not "
-                                         f"applied: {why}"))
+            self.settle(call, _not_applied(call, why))
 
     def drop_kind(self, kind: str, name: str) -> None:
         """Every queued call of kind about name dropped (a resolution that another rank's failure overtook)."""
@@ -268,6 +266,10 @@ def _pairs(lists: list[list[tuple]], ripe: Callable[[int], bool]) -> dict[int, l
             if key is same_names and not refused and not ripe(i):
                 continue
             groups[i] = pair
-            for r, m in enumerate(members):
-                taken[r].add(m[k])
+            for r, j in enumerate(pair):
+                taken[r].add(j)
     return groups
+
+
+def _not_applied(call: Call, why: str) -> ValueError:
+    return ValueError(f"adapter {', '.join(map(repr, call.names))}: {call.kind} was not applied: {why}")

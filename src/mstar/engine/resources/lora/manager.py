@@ -396,13 +396,13 @@ class LoraManager(Registrations):
     def close(self) -> None:
         """Refuse calls made from now on; once a step's round in flight has finished (on a rank waiting for a
         peer that is gone, when the group's own timeout ends it), refuse the calls still queued (their callers
-        told why); then wait for reads under way, stop the workers,
-        and let go of the process group, so that it goes with destroy_process_group rather than whenever the
-        manager is collected (a gloo group destroyed at interpreter exit can abort the process). Calls made
-        after it are refused."""
-        self._calls.closed = "the manager was closed"  # calls made from now on refused at once
+        told why); then wait for reads under way, stop the workers, and let go of the process group, so that it
+        goes with destroy_process_group rather than whenever the manager is collected (a gloo group destroyed
+        at interpreter exit can abort the process)."""
+        why = "the manager was closed"
+        self._calls.closed = why  # calls made from now on refused at once
         with self._rounds:  # between rounds, never within one: a step's round on another thread finishes first
-            self._calls.close("the manager was closed")
+            self._calls.close(why)
             self.group = self._calls.group = None
         self._workers.shutdown(wait=True)
         if self._resolution is not None:
