@@ -467,8 +467,16 @@ MUTANTS: list[Mutant] = [
       "        if True:  # between rounds, never within one",
       "close tells a caller its call was not applied while the round in flight applies it, and drops the group "
       "under the step", tests=(f"{T}call_shutdown.py",)),
-    M("calls.failed-round-pins", "calls.py", "                self._release()\n            raise\n",
-      "            raise\n", "a caller whose round's collective failed waits for ever"),
+    M("calls.failed-round-pins", "calls.py", '            self.close(f"a collective of',
+      '            (lambda _: None)(f"a collective of',
+      "a caller whose round's collective failed waits as long as the engine steps into the broken group"),
+    M("manager.steps-after-close", "manager.py", "        if self._closed:\n            raise",
+      "        if False:\n            raise",
+      "a closed manager steps on: requests naming names never resolved wait, close waits on the loop",
+      tests=(f"{T}call_shutdown.py",)),
+    M("resolution.close-joins-itself", "resolution.py",
+      "[t for t in self._threads if t is not threading.current_thread()]", "list(self._threads)",
+      "a resolver that closes the manager fails its close (cannot join current thread)"),
     M("resolution.close-leaves-queued", "resolution.py", "                if not r.started and not r.done.done():\n"
       "                    r.done.set_result(None)\n", "                pass\n",
       "wait_for_reads after close waits on resolutions that never start"),

@@ -37,6 +37,15 @@ class Faults:
         self.hook = None  # called (no arguments) as a request it matches arrives, before anything is done to it
 
 
+def serving(timeout: str):
+    """A test module's server fixture's body: the proxy's faults while both serve, under the object timeout
+    given (MSTAR_LORA_OBJECT_TIMEOUT), then both stopped."""
+    moto, proxy, faults, _ = start({"MSTAR_LORA_OBJECT_TIMEOUT": timeout})
+    yield faults
+    proxy.shutdown()
+    moto.stop()
+
+
 def start(env: dict[str, str] | None = None) -> tuple[object, ThreadingHTTPServer, Faults, str]:
     """(moto's server, the proxy, its faults, the proxy's URL), both serving on 127.0.0.1."""
     from moto.server import ThreadedMotoServer

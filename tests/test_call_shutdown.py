@@ -4,6 +4,7 @@ failed is not left waiting, and nothing waits on resolutions that will never sta
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -136,8 +137,20 @@ def gone_peer_rank(rank: int, world_size: int, rendezvous: str, path: str, out: 
         res["step"] = "ok"
     except RuntimeError:  # the group's own timeout: the collective failed
         res["step"] = "RuntimeError"
-    caller.join(10)
+    stop = threading.Event()
+
+    def retrying():  # an engine that catches a failed step and steps again at once, into the broken group
+        while not stop.wait(0.01):
+            with contextlib.suppress(RuntimeError):
+                m.step([], [])
+
+    engine = threading.Thread(target=retrying, daemon=True)
+    engine.start()
+    caller.join(4)
     res["waiting"] = caller.is_alive()
+    res["later"] = outcome(lambda: m.register("y", path))
+    stop.set()
+    engine.join(10)
     torch.save(res, out)
     os._exit(0)  # the group is broken: no teardown
 
@@ -146,26 +159,63 @@ def test_a_caller_whose_round_failed_with_its_group_is_not_left_waiting(tmp_path
     _, path = make_adapter(tmp_path, name="a", seed=1, config=CONFIG)
     res = spawn(gone_peer_rank, tmp_path, str(path), limit=90)
     assert res["step"] == "RuntimeError" and not res["waiting"], res
-    assert res["caller"].startswith("adapter 'x': register was queued on rank 0 and no step took it in"), res
+    for name in ("x", "y"):  # the call in the failed round, and one made after it
+        key = "caller" if name == "x" else "later"
+        assert res[key].startswith(f"adapter {name!r}: register was not applied: a collective of this manager's "
+                                   "process group failed"), res
 
 
-def test_wait_for_reads_after_close_does_not_wait_on_resolutions_never_started(tmp_path):
+def test_close_is_not_starved_by_an_engine_stepping_back_to_back():
+    m = one_node()
+    stop, refusals = threading.Event(), []
+
+    def loop():  # an engine that steps with no pause, and steps on whatever a step raises
+        while not stop.is_set():
+            try:
+                m.step([], [])
+            except ValueError as e:
+                refusals.append(str(e))
+
+    engine = threading.Thread(target=loop, daemon=True)
+    engine.start()
+    time.sleep(0.2)
+    closer = threading.Thread(target=m.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    closed = not closer.is_alive()
+    stop.set()
+    engine.join(10)
+    assert closed, "close() waited on an engine thread that took the lock back step after step"
+    assert refusals and refusals[-1].startswith("step: the manager was closed"), refusals[-1:]
+
+
+def test_a_request_after_close_is_never_left_waiting_on_a_resolution(tmp_path):
     _, path = make_adapter(tmp_path, name="a", seed=1)
-    gate = threading.Event()
+    base = one_node()
+    m = LoraManager(base.stores, base.pools, resolver=lambda name: path)
+    m.close()
+    for call in (lambda: m.step([], [Request(0, "late")]), lambda: m.prefetch([Request(0, "late")])):
+        try:
+            call()
+            raise AssertionError("a closed manager stepped")
+        except ValueError as e:
+            assert "the manager was closed" in str(e), e
+    assert m.wait_for_reads(1) and m._resolution.pending() == [], "a resolution started after close"
 
-    def resolver(name):
-        gate.wait(30)
+
+def test_close_from_a_resolver_thread_returns(tmp_path):
+    _, path = make_adapter(tmp_path, name="a", seed=1)
+    base, res = one_node(), {}
+
+    def resolver(name):  # a resolver that shuts the manager down (the store it serves from is gone)
+        try:
+            m.close()
+            res["close"] = "ok"
+        except BaseException as e:  # what close raised, to assert on
+            res["close"] = repr(e)
         return path
 
-    base = one_node()
     m = LoraManager(base.stores, base.pools, resolver=resolver)
-    m.step([], [Request(i, f"n{i}") for i in range(6)])  # four workers busy, two names queued behind them
-    closer = threading.Thread(target=m.close)
-    closer.start()
-    time.sleep(0.5)
-    gate.set()
-    closer.join(20)
-    waiting = threading.Thread(target=m.wait_for_reads, daemon=True)
-    waiting.start()
-    waiting.join(10)
-    assert not waiting.is_alive() and m.wait_for_reads(1)
+    m.step([], [Request(0, "n")])
+    wait_until(lambda: "close" in res)
+    assert res["close"] == "ok", res

@@ -42,10 +42,7 @@ print("read whole" if same else "read other bytes", flush=True)
 
 @pytest.fixture(scope="module")
 def server():
-    moto, proxy, faults, _ = s3server.start({"MSTAR_LORA_OBJECT_TIMEOUT": "5s"})
-    yield faults
-    proxy.shutdown()
-    moto.stop()
+    yield from s3server.serving("5s")
 
 
 @pytest.fixture(scope="module")

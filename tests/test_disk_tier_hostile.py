@@ -25,10 +25,7 @@ from mstar.engine.resources.lora.disk_tier import HOME, DiskTier
 
 @pytest.fixture(scope="module")
 def server():
-    moto, proxy, faults, _ = s3server.start({"MSTAR_LORA_OBJECT_TIMEOUT": "5s"})
-    yield faults
-    proxy.shutdown()
-    moto.stop()
+    yield from s3server.serving("5s")
 
 
 @pytest.fixture(scope="module")

@@ -29,10 +29,7 @@ BUCKET = f"s3://{s3server.BUCKET}"
 
 @pytest.fixture(scope="module")
 def server():
-    moto, proxy, faults, _ = s3server.start({"MSTAR_LORA_OBJECT_TIMEOUT": "3s"})
-    yield faults
-    proxy.shutdown()
-    moto.stop()
+    yield from s3server.serving("3s")
 
 
 @pytest.fixture(scope="module")

@@ -30,10 +30,7 @@ PREFIX = f"s3://{s3server.BUCKET}/tenants/"
 
 @pytest.fixture(scope="module")
 def server():
-    moto, proxy, faults, _ = s3server.start({"MSTAR_LORA_OBJECT_TIMEOUT": "3s"})
-    yield faults
-    proxy.shutdown()
-    moto.stop()
+    yield from s3server.serving("3s")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,9 @@ The k-th call of a kind and names on one rank is matched with the k-th of the sa
 every other rank. A call that only some ranks have made waits for the others; once it has waited `within`
 seconds by rank 0's clock (reckoned from the gathered queues, so every rank reckons alike) it is refused
 on the ranks that made it, applied nowhere; a resolution or a forgetting is instead applied on every rank
-at that step as a failure (or a forgetting), so no rank waits on a name another rank gave up on.
+at that step as a failure (or a forgetting), so no rank waits on a name another rank gave up on. A round
+whose collective fails (a rank gone, the group's timeout) leaves the ranks out of step for good: every call
+queued, and every one made later, is refused saying so, so no caller waits on a group that cannot agree.
 
 A call made on the engine thread itself is agreed at once, by a round that every rank must make at the
 same point (a header tag says which kind of round each rank is in). Where one rank is in such a round while
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .objects import short
 from .registry import Version
 from .versions import Checked, outcome
 
@@ -150,11 +153,11 @@ class Calls:
             return [(c, outcome(c.checked, [c.describe()[3]])) for c in mine]
         try:
             return self._round(round_, mine)
-        except BaseException:  # a collective failed (a rank gone): its calls are their callers' to give up again
-            with self._lock:
-                for c in self._queue:
-                    c.last_round = time.monotonic()
-                self._release()
+        except Deferred:
+            raise
+        except BaseException as e:  # a collective failed (a rank gone, a timeout): the ranks are out of step
+            self.close(f"a collective of this manager's process group failed ({short(e)}): a group whose "
+                       "collective failed cannot agree calls any more; close the manager and build it on a new group")
             raise
 
     def _round(self, round_: int, mine: list[Call]) -> list[Applied]:

@@ -84,6 +84,7 @@ class LoraManager(Registrations):
         self._engine: int | None = threading.get_ident()
         self._engine_thread = engine_thread
         self._stepping: int | None = None  # the thread in a step now
+        self._closed = False
         self._rounds = threading.RLock()  # a step's collectives, or an engine-thread call's round: never interleaved
         device = next(iter(pools.values())).device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -108,12 +109,18 @@ class LoraManager(Registrations):
     def step(self, running: Sequence[Request], waiting: Sequence[Request]) -> Step:
         """This step's admissions, failures and slots (see Step). Never waits on a read."""
         me = threading.get_ident()
+        self._refuse_closed("step")  # before the lock too: an engine stepping on after close never starves it
         with self._rounds:
+            self._refuse_closed("step")
             self._stepping, self._engine = me, me if self._engine_thread else None
             try:
                 return self._step(running, waiting)
             finally:
                 self._stepping = None
+
+    def _refuse_closed(self, what: str) -> None:
+        if self._closed:
+            raise ValueError(f"{what}: the manager was closed; build a new one to serve again")
 
     def _step(self, running: Sequence[Request], waiting: Sequence[Request]) -> Step:
         self._apply(STEP)
@@ -175,14 +182,17 @@ class LoraManager(Registrations):
         """Hold the queue's adapters and start their reads as step would, admitting nothing: for an engine
         that hears of requests while the forward runs; names not registered start resolving. Every rank
         calls it alike, as it calls step."""
-        batch = list(dict.fromkeys(self._pinned.values()))
-        if self._resolution is not None:  # names no one registered: their resolution started now, not next step
-            for r in waiting:
-                if r.adapter is not None and r.adapter not in self.registry:
-                    self._resolution.wanted(r.adapter)
-        queue = [v for r in waiting if r.adapter is not None
-                 for v in [self.registry.resolve(r.adapter)] if not isinstance(v, ValueError)]
-        self._hold(batch, list(dict.fromkeys(queue)))
+        self._refuse_closed("prefetch")
+        with self._rounds:  # ordered with close as a step is: nothing starts resolving once it is closed
+            self._refuse_closed("prefetch")
+            batch = list(dict.fromkeys(self._pinned.values()))
+            if self._resolution is not None:  # names no one registered: resolution started now, not next step
+                for r in waiting:
+                    if r.adapter is not None and r.adapter not in self.registry:
+                        self._resolution.wanted(r.adapter)
+            queue = [v for r in waiting if r.adapter is not None
+                     for v in [self.registry.resolve(r.adapter)] if not isinstance(v, ValueError)]
+            self._hold(batch, list(dict.fromkeys(queue)))
 
     def _pins(self, running: Sequence[Request]) -> dict[Hashable, Version | None]:
         """The version each running request was admitted with (a reload does not move it)."""
@@ -394,13 +404,14 @@ class LoraManager(Registrations):
             wait(pending, timeout=None if until == math.inf else max(0.0, until - time.monotonic()))
 
     def close(self) -> None:
-        """Refuse calls made from now on; once a step's round in flight has finished (on a rank waiting for a
+        """Refuse steps and calls made from now on; once a step's round in flight has finished (on a rank waiting for a
         peer that is gone, when the group's own timeout ends it), refuse the calls still queued (their callers
         told why); then wait for reads under way, stop the workers, and let go of the process group, so that it
         goes with destroy_process_group rather than whenever the manager is collected (a gloo group destroyed
         at interpreter exit can abort the process)."""
         why = "the manager was closed"
-        self._calls.closed = why  # calls made from now on refused at once
+        self._closed = True  # steps from now on refused at once
+        self._calls.closed = why  # and calls
         with self._rounds:  # between rounds, never within one: a step's round on another thread finishes first
             self._calls.close(why)
             self.group = self._calls.group = None

@@ -179,13 +179,14 @@ class Resolution:
 
     def close(self, timeout: float = 5.0) -> None:
         """Wait up to timeout seconds for the resolutions under way (a hung resolver's thread is left to itself:
-        it is a daemon, and its answer is never heard)."""
+        it is a daemon, and its answer is never heard; a resolver that closes the manager is not waited for by
+        itself). Nothing wants a name after it: the manager's steps and prefetches are refused once closed."""
         deadline = time.monotonic() + timeout
         with self._lock:
             self._queued.clear()
             for r in self._resolving.values():  # never to start: nothing waits on them
                 if not r.started and not r.done.done():
                     r.done.set_result(None)
-            threads = list(self._threads)
+            threads = [t for t in self._threads if t is not threading.current_thread()]  # a resolver closing
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
