@@ -158,14 +158,43 @@ def test_peft_all_linear_on_a_transformers_5_moe_adapts_router_and_experts_and_i
     assert not any(m.startswith("model.layers.0.mlp.") for m in checked)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "llama4_text"])
-def test_a_plans_styles_on_stacked_experts_read_by_how_the_class_stores_them(family):
+# The styles transformers 5.24's plans give these classes' stacked experts, as an engine that shards its
+# experts by tensor parallelism passes them (5.25 keeps Llama 4's, and moves Qwen3-MoE's to expert parallelism).
+EXPERTS_TP = {
+    "qwen3_moe": {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                  "model.layers.*.mlp.experts.down_proj": "rowwise"},
+    "llama4_text": {"model.layers.*.feed_forward.experts.gate_up_proj": "packed_rowwise",
+                    "model.layers.*.feed_forward.experts.down_proj": "colwise"},
+}
+SHARDED = {"gate_up_proj": "column", "down_proj": "row"}
+
+
+@pytest.mark.parametrize("family", list(EXPERTS_TP))
+def test_a_plans_styles_on_stacked_experts_read_by_how_the_class_stores_them(tmp_path, family):
     """transformers' styles name a weight's dimensions: packed_colwise on Qwen3-MoE's [E, 2I, H] gate_up and
     packed_rowwise on Llama 4's [E, H, 2I] both shard its output; rowwise on [E, H, I] and colwise on [E, I, H]
-    down_proj both its input."""
+    down_proj both its input. So sharded, PEFT's stacked factors are served with its deltas."""
+    config = tiny_config(family)
+    specs = derive(family, tp_plan=EXPERTS_TP[family])
+    experts = specs["experts"].targets
+    assert {n.rpartition(".")[2]: t.parallel for n, t in experts.items()} == SHARDED
+    stacked = sorted({n.rpartition("*.")[2] for n in experts})
+    pm, path = all_linear_adapter(tmp_path, build(config), target_modules=[], target_parameters=stacked)
+    assert {m.rpartition(".")[2] for m in assert_serves_peft(pm, specs, path, world_size=2)} == set(SHARDED)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama4_text", "mixtral", "deepseek_v3"])
+def test_stacked_experts_shard_as_the_models_own_plan_says_and_replicate_where_it_names_none(family):
+    """The default plan is the class's base_model_tp_plan. Where it names the stacked experts (every family
+    in transformers 5.24, Llama 4 in 5.25) they shard as the class stores them; where it does not (5.25 puts
+    them in base_model_ep_plan alone, split by expert, and keeps them whole on every tensor-parallel rank)
+    they are replicated, as the model's own ranks hold them."""
+    config = tiny_config(family)
+    text = config.get_text_config()
+    named = {k.rpartition(".")[2] for k in type(text).base_model_tp_plan or {} if ".experts." in k}
     experts = derive(family)["experts"].targets
-    assert {n.rpartition(".")[2]: t.parallel for n, t in experts.items()} == {"gate_up_proj": "column",
-                                                                              "down_proj": "row"}
+    got = {n.rpartition(".")[2]: t.parallel for n, t in experts.items()}
+    assert got == {leaf: SHARDED[leaf] if leaf in named else "replicated" for leaf in got}
 
 
 def test_a_moe_config_with_dense_layers_beside_the_experts_is_served_by_the_derived_spec(tmp_path):

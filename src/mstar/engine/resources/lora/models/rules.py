@@ -67,7 +67,9 @@ class Plan:
 
 def default_plan(model: Any) -> dict[str, str]:
     """transformers' own plan for model: its tp_plan (the base model's base_model_tp_plan under the model's
-    prefix, with the head's _tp_plan), or {} for a model that has none."""
+    prefix, with the head's _tp_plan), or {} for a model that has none. Its expert-parallel plan is not read:
+    transformers 5.25 names most families' stacked experts there alone (grouped_gemm, split by expert), and
+    under tensor parallelism every rank holds them whole, so they are replicated, as the model holds them."""
     plan = getattr(model, "tp_plan", None)
     if isinstance(plan, Mapping) and plan:
         return dict(plan)
