@@ -10,6 +10,7 @@ from derived import all_linear_adapter, assert_serves_peft, build, read_all, tin
 from torch import nn
 
 from mstar.engine.resources.lora.check import check_adapter_file
+from mstar.engine.resources.lora.models import rules
 from mstar.engine.resources.lora.models.derived import specs_from_model
 from mstar.engine.resources.lora.pool import LoraDevicePool
 
@@ -206,3 +207,25 @@ def test_a_moe_config_with_dense_layers_beside_the_experts_is_served_by_the_deri
     assert specs["experts"].targets["model.layers.*.mlp.experts.gate_up_proj"].layer_ids == (1, 2, 3)
     pm, path = all_linear_adapter(tmp_path, build(config))
     assert assert_serves_peft(pm, specs, path, world_size=2)
+
+
+def test_a_whole_head_style_shards_by_the_heads_a_slice_is_and_leaves_any_other_whole(tmp_path):
+    """transformers 5.25's unit_colwise (MiniCPM5-MoE's k_proj and v_proj) gives each rank whole heads, KV heads
+    replicated past their count: the column rule by heads. On a slice whose heads the config does not give (an
+    MLP's up_proj) rows would split inside its units, so it stays whole; unit_rowwise, which replicates a rank's
+    input heads past their count, too."""
+    config = tiny_config("llama")
+    model = build(config, device="meta")
+    units = {"model.layers.*.self_attn.k_proj": "unit_colwise", "model.layers.*.self_attn.v_proj": "unit_colwise",
+             "model.layers.*.mlp.up_proj": "unit_colwise", "model.layers.*.self_attn.o_proj": "unit_rowwise"}
+    specs = specs_from_model(model, max_rank=4, tp_plan={**rules.default_plan(model), **units})
+    lm = specs["language_model"].targets
+    qkv = lm["model.layers.*.self_attn.q_proj+k_proj+v_proj"]
+    q, kv = config.num_attention_heads, config.num_key_value_heads
+    assert (qkv.parallel, qkv.heads) == ("column", (q, kv, kv))
+    assert kv < 4 and qkv.shard(0, 4).rows[1] == qkv.shard(1, 4).rows[1], "a KV head two ranks share"
+    assert (lm["model.layers.*.mlp.gate_proj"].parallel, lm["model.layers.*.mlp.up_proj"].parallel,
+            lm["model.layers.*.self_attn.o_proj"].parallel) == ("column", "replicated", "replicated")
+    pm, path = all_linear_adapter(tmp_path, build(config))
+    for world_size in (2, 4):
+        assert assert_serves_peft(pm, specs, path, world_size)
