@@ -449,6 +449,12 @@ MUTANTS: list[Mutant] = [
       "(s.prefix, s.parent, g.layers, s.in_features)", "siblings the plan shards apart fused into one target"),
     M("derived.keys-nesting-reversed", "models/derived.py", "params[len(params) - 1 - depth]", "params[depth]",
       "PEFT's nested wrappers read outermost first: gate_up's factors as down's"),
+    # --- transformers 5.25's plans ---
+    M("rules.unit-colwise-replicated", "models/rules.py",
+      'return "column" if style == "unit_colwise" else "replicated"', 'return "replicated"',
+      "k and v under unit_colwise replicated, so q, k, v no longer fuse and the bytes grow by the world size"),
+    M("derived.unit-colwise-by-rows", "models/derived.py", "    if plan.by_units(s.name) and (",
+      "    if False and (", "unit_colwise on a slice without heads split by rows, inside its head_dim units"),
     # --- calls over a manager's life (issue 27) ---
     M("calls.round-pins-for-ever", "calls.py", "            c.in_round = False\n", "            pass\n",
       "a call one rank's round took in (unmatched) is never given up there: its loop thread waits for ever"),

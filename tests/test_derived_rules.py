@@ -10,6 +10,7 @@ from derived import all_linear_adapter, assert_serves_peft, build, read_all, tin
 from torch import nn
 
 from mstar.engine.resources.lora.check import check_adapter_file
+from mstar.engine.resources.lora.models import rules
 from mstar.engine.resources.lora.models.derived import specs_from_model
 from mstar.engine.resources.lora.pool import LoraDevicePool
 
@@ -158,14 +159,43 @@ def test_peft_all_linear_on_a_transformers_5_moe_adapts_router_and_experts_and_i
     assert not any(m.startswith("model.layers.0.mlp.") for m in checked)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "llama4_text"])
-def test_a_plans_styles_on_stacked_experts_read_by_how_the_class_stores_them(family):
+# The styles transformers 5.24's plans give these classes' stacked experts, as an engine that shards its
+# experts by tensor parallelism passes them (5.25 keeps Llama 4's, and moves Qwen3-MoE's to expert parallelism).
+EXPERTS_TP = {
+    "qwen3_moe": {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                  "model.layers.*.mlp.experts.down_proj": "rowwise"},
+    "llama4_text": {"model.layers.*.feed_forward.experts.gate_up_proj": "packed_rowwise",
+                    "model.layers.*.feed_forward.experts.down_proj": "colwise"},
+}
+SHARDED = {"gate_up_proj": "column", "down_proj": "row"}
+
+
+@pytest.mark.parametrize("family", list(EXPERTS_TP))
+def test_a_plans_styles_on_stacked_experts_read_by_how_the_class_stores_them(tmp_path, family):
     """transformers' styles name a weight's dimensions: packed_colwise on Qwen3-MoE's [E, 2I, H] gate_up and
     packed_rowwise on Llama 4's [E, H, 2I] both shard its output; rowwise on [E, H, I] and colwise on [E, I, H]
-    down_proj both its input."""
+    down_proj both its input. So sharded, PEFT's stacked factors are served with its deltas."""
+    config = tiny_config(family)
+    specs = derive(family, tp_plan=EXPERTS_TP[family])
+    experts = specs["experts"].targets
+    assert {n.rpartition(".")[2]: t.parallel for n, t in experts.items()} == SHARDED
+    stacked = sorted({n.rpartition("*.")[2] for n in experts})
+    pm, path = all_linear_adapter(tmp_path, build(config), target_modules=[], target_parameters=stacked)
+    assert {m.rpartition(".")[2] for m in assert_serves_peft(pm, specs, path, world_size=2)} == set(SHARDED)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama4_text", "mixtral", "deepseek_v3"])
+def test_stacked_experts_shard_as_the_models_own_plan_says_and_replicate_where_it_names_none(family):
+    """The default plan is the class's base_model_tp_plan. Where it names the stacked experts (every family
+    in transformers 5.24, Llama 4 in 5.25) they shard as the class stores them; where it does not (5.25 puts
+    them in base_model_ep_plan alone, split by expert, and keeps them whole on every tensor-parallel rank)
+    they are replicated, as the model's own ranks hold them."""
+    config = tiny_config(family)
+    text = config.get_text_config()
+    named = {k.rpartition(".")[2] for k in type(text).base_model_tp_plan or {} if ".experts." in k}
     experts = derive(family)["experts"].targets
-    assert {n.rpartition(".")[2]: t.parallel for n, t in experts.items()} == {"gate_up_proj": "column",
-                                                                              "down_proj": "row"}
+    got = {n.rpartition(".")[2]: t.parallel for n, t in experts.items()}
+    assert got == {leaf: SHARDED[leaf] if leaf in named else "replicated" for leaf in got}
 
 
 def test_a_moe_config_with_dense_layers_beside_the_experts_is_served_by_the_derived_spec(tmp_path):
@@ -177,3 +207,25 @@ def test_a_moe_config_with_dense_layers_beside_the_experts_is_served_by_the_deri
     assert specs["experts"].targets["model.layers.*.mlp.experts.gate_up_proj"].layer_ids == (1, 2, 3)
     pm, path = all_linear_adapter(tmp_path, build(config))
     assert assert_serves_peft(pm, specs, path, world_size=2)
+
+
+def test_a_whole_head_style_shards_by_the_heads_a_slice_is_and_leaves_any_other_whole(tmp_path):
+    """transformers 5.25's unit_colwise (MiniCPM5-MoE's k_proj and v_proj) gives each rank whole heads, KV heads
+    replicated past their count: the column rule by heads. On a slice whose heads the config does not give (an
+    MLP's up_proj) rows would split inside its units, so it stays whole; unit_rowwise, which replicates a rank's
+    input heads past their count, too."""
+    config = tiny_config("llama")
+    model = build(config, device="meta")
+    units = {"model.layers.*.self_attn.k_proj": "unit_colwise", "model.layers.*.self_attn.v_proj": "unit_colwise",
+             "model.layers.*.mlp.up_proj": "unit_colwise", "model.layers.*.self_attn.o_proj": "unit_rowwise"}
+    specs = specs_from_model(model, max_rank=4, tp_plan={**rules.default_plan(model), **units})
+    lm = specs["language_model"].targets
+    qkv = lm["model.layers.*.self_attn.q_proj+k_proj+v_proj"]
+    q, kv = config.num_attention_heads, config.num_key_value_heads
+    assert (qkv.parallel, qkv.heads) == ("column", (q, kv, kv))
+    assert kv < 4 and qkv.shard(0, 4).rows[1] == qkv.shard(1, 4).rows[1], "a KV head two ranks share"
+    assert (lm["model.layers.*.mlp.gate_proj"].parallel, lm["model.layers.*.mlp.up_proj"].parallel,
+            lm["model.layers.*.self_attn.o_proj"].parallel) == ("column", "replicated", "replicated")
+    pm, path = all_linear_adapter(tmp_path, build(config))
+    for world_size in (2, 4):
+        assert assert_serves_peft(pm, specs, path, world_size)

@@ -85,7 +85,15 @@ def _groups(found: list[Site], plan: rules.Plan) -> list[Group]:
     by: dict[tuple, list[Site]] = {}
     for s in found:
         by.setdefault((s.template, s.kind, s.in_features, s.out_features, s.kernel, s.experts), []).append(s)
-    return [Group(tuple(ss), _node(ss[0]), plan.parallel(ss[0].name, _transposed(ss[0]))) for ss in by.values()]
+    return [Group(tuple(ss), _node(ss[0]), _parallel(ss[0], plan)) for ss in by.values()]
+
+
+def _parallel(s: Site, plan: rules.Plan) -> Parallel:
+    """s's sharding as the plan says; by whole heads (unit_colwise) only where its heads are the units."""
+    if plan.by_units(s.name) and (s.kind != "linear" or rules.is_packed(s.leaf)
+                                  or rules.unit_heads(s.config, s.leaf, s.out_features) is None):
+        return "replicated"
+    return plan.parallel(s.name, _transposed(s))
 
 
 def _transposed(s: Site) -> bool:

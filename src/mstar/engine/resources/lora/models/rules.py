@@ -32,6 +32,8 @@ def style_parallel(style: str | None) -> Parallel:
     (replicated_*, gather, the expert-parallel ones) and none at all replicate, which is always correct."""
     if style is None:
         return "replicated"
+    if style.startswith("unit_"):  # whole heads a rank (5.25's unit_colwise on k/v): see unit_heads
+        return "column" if style == "unit_colwise" else "replicated"
     kind = style.removeprefix("local_").removeprefix("packed_")
     if kind.startswith("colwise"):
         return "column"
@@ -57,6 +59,10 @@ class Plan:
                 return style
         return None
 
+    def by_units(self, name: str) -> bool:
+        """Whether name's style shards by whole heads (unit_colwise), which rows alone cannot."""
+        return (self.style(name) or "").startswith("unit_")
+
     def parallel(self, name: str, transposed: bool = False) -> Parallel:
         """name's sharding. transformers' styles name the weight's dimensions (colwise shards its second
         last, rowwise its last), so for a stacked expert parameter stored [E, in, out] (Llama 4's gate_up_proj,
@@ -67,7 +73,9 @@ class Plan:
 
 def default_plan(model: Any) -> dict[str, str]:
     """transformers' own plan for model: its tp_plan (the base model's base_model_tp_plan under the model's
-    prefix, with the head's _tp_plan), or {} for a model that has none."""
+    prefix, with the head's _tp_plan), or {} for a model that has none. Its expert-parallel plan is not read:
+    transformers 5.25 names most families' stacked experts there alone (grouped_gemm, split by expert), and
+    under tensor parallelism every rank holds them whole, so they are replicated, as the model holds them."""
     plan = getattr(model, "tp_plan", None)
     if isinstance(plan, Mapping) and plan:
         return dict(plan)
@@ -97,6 +105,17 @@ def heads(config: Any, leaf: str, width: int) -> int | None:
     else:
         return None
     return n if n and width % n == 0 else None
+
+
+def unit_heads(config: Any, leaf: str, width: int) -> int | None:
+    """The heads unit_colwise shards leaf by: transformers gives each rank whole head_dim units (the config's
+    head_dim, else hidden_size // num_attention_heads), replicated past their count, as the column rule
+    does a slice's heads; so its heads where they are those units, else None (it stays whole)."""
+    n = heads(config, leaf, width)
+    q = field(config, "num_attention_heads", "num_heads", "n_head")
+    hidden = field(config, "hidden_size")
+    head_dim = field(config, "head_dim") or (hidden // q if q and hidden else None)
+    return n if n and head_dim and width == n * head_dim else None
 
 
 def packed_slices(config: Any, leaf: str, fan_in: int, width: int,
