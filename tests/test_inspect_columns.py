@@ -9,8 +9,9 @@ import re
 from operator import attrgetter
 
 import pytest
-from moe import MANY, ODD, many_experts_variants, specs
-from safetensors.torch import load_file
+import torch
+from moe import CONFIGS, INTER, MANY, ODD, many_experts_variants, specs, stacked_adapter
+from safetensors.torch import load_file, save_file
 
 from mstar.engine.resources.lora import check_adapter_file
 from mstar.engine.resources.lora.check import _VOCAB_MODULES, _walk, check_adapter_tensors, misfit_at
@@ -83,3 +84,19 @@ def test_a_module_pushed_under_two_spellings_each_a_pair_is_refused(variants):
                                          "read as its A"):
         check_adapter_tensors(nodes[0], "twice", pushed, config, nodes[1:])
     assert check_adapter_tensors(nodes[0], "once", tensors, config, nodes[1:])
+
+
+def test_a_stacked_module_and_one_of_its_experts_are_refused_as_filling_the_same_weights(tmp_path):
+    """A module covering every slice of its target (PEFT's stacked gate_up) beside one covering one of them
+    (expert 0's gate, as transformers 4 named it), both targeted by the config: neither is guessed."""
+    _, path = stacked_adapter(tmp_path, "qwen3_moe", name="both")
+    file, config_file = path / "adapter_model.safetensors", path / "adapter_config.json"
+    tensors = load_file(file)
+    key, hidden = "base_model.model.model.layers.0.mlp.experts.0.gate_proj", CONFIGS["qwen3_moe"]["hidden_size"]
+    tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = torch.zeros(2, hidden), torch.zeros(INTER, 2)
+    save_file(tensors, file)
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "target_modules": [*config["target_modules"], "gate_proj"]}))
+    s = specs("qwen3_moe")
+    with pytest.raises(ValueError, match=r"module model\.layers\.0\.mlp\.experts\.\S+: fills the same weights as"):
+        check_adapter_file(s["language_model"], "both", path, [s["experts"]])
