@@ -12,8 +12,9 @@ import pytest
 import torch
 from moe import CONFIGS, INTER, MANY, ODD, many_experts_variants, specs, stacked_adapter
 from safetensors.torch import load_file, save_file
+from tiny import make_adapter, model_config
 
-from mstar.engine.resources.lora import check_adapter_file
+from mstar.engine.resources.lora import check_adapter_file, specs_from_config
 from mstar.engine.resources.lora.check import _VOCAB_MODULES, _walk, check_adapter_tensors, misfit_at
 from mstar.engine.resources.lora.checkpoint import open_checkpoint
 from mstar.engine.resources.lora.experts import checkpoint_orientations
@@ -100,3 +101,12 @@ def test_a_stacked_module_and_one_of_its_experts_are_refused_as_filling_the_same
     s = specs("qwen3_moe")
     with pytest.raises(ValueError, match=r"module model\.layers\.0\.mlp\.experts\.\S+: fills the same weights as"):
         check_adapter_file(s["language_model"], "both", path, [s["experts"]])
+
+
+@pytest.mark.parametrize("pattern", [{"down_proj": 2, "k_proj": 8}, {"q_proj": 6}])
+def test_an_adapter_of_mixed_ranks_is_told_by_its_largest(tmp_path, pattern):
+    _, path = make_adapter(tmp_path, rank_pattern=pattern)
+    spec = specs_from_config(model_config("llama"), max_rank=8)["language_model"]
+    with open_checkpoint(path) as ckpt:
+        info, walked = _columns(spec, ckpt)
+    assert info == walked and info.rank == max(4, *pattern.values())
