@@ -110,3 +110,22 @@ def test_an_adapter_of_mixed_ranks_is_told_by_its_largest(tmp_path, pattern):
     with open_checkpoint(path) as ckpt:
         info, walked = _columns(spec, ckpt)
     assert info == walked and info.rank == max(4, *pattern.values())
+
+
+def test_a_module_saved_under_two_spellings_each_a_pair_is_refused(variants, tmp_path):
+    """PEFT's lora_A / lora_B and kohya's lora_down / lora_up of one module sort A, B, A, B in its file: two pairs
+    of one module, still two keys for each of its weights."""
+    path = variants["plain"][0]
+    tensors = load_file(path / "adapter_model.safetensors")
+    key = f"base_model.model.{ODD}.down_proj"
+    tensors[f"{key}.lora_down.weight"] = tensors[f"{key}.lora_A.weight"].clone()
+    tensors[f"{key}.lora_up.weight"] = tensors[f"{key}.lora_B.weight"].clone()
+    (tmp_path / "spelled").mkdir()
+    save_file(tensors, tmp_path / "spelled" / "adapter_model.safetensors")
+    (tmp_path / "spelled" / "adapter_config.json").write_text((path / "adapter_config.json").read_text())
+    with open_checkpoint(tmp_path / "spelled") as ckpt:  # the order the keys are grouped in
+        assert [k.rsplit(".", 2)[-2] for k in ckpt.header.tensors if k.startswith(f"{key}.")] == [
+            "lora_A", "lora_B", "lora_down", "lora_up"]
+    nodes = _nodes()
+    with pytest.raises(ValueError, match=rf"module {re.escape(ODD)}\.down_proj: two keys read as its A"):
+        check_adapter_file(nodes[0], "spelled", tmp_path / "spelled", nodes[1:])
