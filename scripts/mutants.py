@@ -522,7 +522,7 @@ MUTANTS: list[Mutant] = [
       "one module's A and the next one's B grouped as one module"),
     M("keys.paired-module-twice", "keys.py",
       "if firsts != modules[1::2] or len(set(firsts)) != len(firsts)", "if firsts != modules[1::2]",
-      "a module pushed under two spellings, each a pair, kept once: served from one, guessed"),
+      "a module saved under two spellings, each a pair (A, B, A, B), kept once: served from one, guessed"),
     M("keys.paired-one-role-twice", "keys.py", " or any(map(eq, roles[0::2], roles[1::2])):", ":",
       "a module of two A keys grouped as one A, refused as lacking its B rather than as doubled"),
     M("spec.locate-all-unseen", "spec.py", "        if _UNSEEN in found:\n", "        if False:\n",
