@@ -57,14 +57,15 @@ def stacked_adapter(tmp: Path, family: str, name: str = "ad", seed: int = 1, con
 
 
 def per_expert_adapter(tmp: Path, family: str, name: str = "pe", experts=range(EXPERTS), r: int = 2,
-                       alpha: float = 4, seed: int = 2) -> tuple[dict[str, torch.Tensor], Path]:
+                       alpha: float = 4, seed: int = 2, layers: int | None = None,
+                       ) -> tuple[dict[str, torch.Tensor], Path]:
     """A per-expert adapter as PEFT saved one on transformers 4's expert modules (written out here: those
-    modules no longer exist to train on)."""
+    modules no longer exist to train on), on the family's layers unless told."""
     prefix, (gate, up, down) = PER_EXPERT[family]
     hidden = CONFIGS[family]["hidden_size"]
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(CONFIGS[family]["num_hidden_layers"]):
+    for layer in range(layers or CONFIGS[family]["num_hidden_layers"]):
         for e in experts:
             for proj, fan_in, fan_out in ((gate, hidden, INTER), (up, hidden, INTER), (down, INTER, hidden)):
                 key = f"base_model.model.model.layers.{layer}.{prefix.format(e=e)}{proj}"
@@ -138,3 +139,55 @@ def assert_deltas(adapter, spec, want_gate_up, want_down, layer, msg=""):
         assert (got is None) == (want is None), f"{name} {msg}: served {got is not None}, PEFT {want is not None}"
         if want is not None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{name} {msg}")
+
+
+MANY = {"num_hidden_layers": 32, "num_experts": 128}  # a header of thousands of modules of a few templates
+ODD = "model.layers.31.mlp.experts.97"  # the one module each of many_experts_variants gets wrong
+
+
+def many_experts_variants(tmp: Path) -> dict[str, tuple[Path, str, str]]:
+    """A per-expert adapter on 32 layers of 128 experts as saved, and copies of it each wrong in one place, in
+    expert 97 of layer 31 (or beside it): name -> (folder, the module refused, words its refusal holds)."""
+    tensors, plain = per_expert_adapter(tmp, "qwen3_moe", "plain", range(MANY["num_experts"]),
+                                        layers=MANY["num_hidden_layers"])
+    key, hidden = f"base_model.model.{ODD}", CONFIGS["qwen3_moe"]["hidden_size"]
+    out = {"plain": (plain, "", "")}
+    changes = {
+        "wrong-shape": ("up_proj", {".up_proj.lora_B.weight": torch.zeros(INTER + 1, 2)},
+                        "B [25, 2] should be [24, 2]"),
+        "over-rank": ("gate_proj", {".gate_proj.lora_A.weight": torch.zeros(5, hidden),
+                                    ".gate_proj.lora_B.weight": torch.zeros(INTER, 5)}, "over this pool's max_rank 4"),
+        "config-rank": ("gate_proj", {".gate_proj.lora_A.weight": torch.zeros(3, hidden),
+                                      ".gate_proj.lora_B.weight": torch.zeros(INTER, 3)}, "gives it r=2"),
+        "dtype": ("down_proj", {".down_proj.lora_A.weight": torch.zeros(2, INTER, dtype=torch.float16)},
+                  "factors of dtype F16 / F32"),
+        # two A and no B: as many keys as modules' pairs, each two one module's, but under one role
+        "doubled": ("down_proj", {".down_proj.lora_A.default.weight": torch.zeros(2, INTER),
+                                  ".down_proj.lora_B.weight": None}, "two keys read as its A"),
+        "lacking": ("up_proj", {".up_proj.lora_B.weight": None}, "lora_B is missing"),
+        # gate's A beside up's B: keys two by two again, each two of two modules
+        "unpaired": ("gate_proj", {".gate_proj.lora_B.weight": None, ".up_proj.lora_A.weight": None},
+                     "lora_B is missing"),
+    }
+    for name, (proj, change, words) in changes.items():
+        changed = {**tensors, **{key + k: v for k, v in change.items()}}
+        out[name] = (_saved(tmp / name, {k: v for k, v in changed.items() if v is not None}, plain),
+                     f"{ODD}.{proj}", words)
+    past = {**tensors, **{k.replace(".experts.97.", ".experts.128."): v.clone() for k, v in tensors.items()
+                          if f"{ODD}.down_proj" in k}}
+    out["past"] = (_saved(tmp / "past", past, plain), ODD.replace("97", "128") + ".down_proj", "past the model's 128")
+    beyond = {**tensors, **{k.replace("layers.31.", "layers.32."): v.clone() for k, v in tensors.items()
+                            if f"{ODD}.down_proj" in k}}
+    out["layer-past"] = (_saved(tmp / "layer-past", beyond, plain), "model.layers.32.mlp.experts.97.down_proj",
+                         "layer 32 is past the 32 layers")
+    head = {**tensors, "base_model.model.lm_head.lora_A.weight": torch.zeros(2, hidden),
+            "base_model.model.lm_head.lora_B.weight": torch.zeros(CONFIGS["qwen3_moe"]["vocab_size"], 2)}
+    out["lm-head"] = (_saved(tmp / "lm-head", head, plain), "lm_head", "LoRA on lm_head is not served")
+    return out
+
+
+def _saved(path: Path, tensors: dict[str, torch.Tensor], like: Path) -> Path:
+    path.mkdir(parents=True)
+    save_file(tensors, path / "adapter_model.safetensors")
+    (path / "adapter_config.json").write_text((like / "adapter_config.json").read_text())
+    return path

@@ -15,6 +15,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .digest import HASH_ON_EVERY_CORE, adapter_digest, file_digest, streams_from_file
 from .experts import checkpoint_orientations, stacked_misfit
 from .header_json import no_collection
+from .inspect_columns import module_rank, plain_header, plain_info
 from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
 from .spec import AdapterInfo, Location, LoraSpec, as_linear, canonical_index
 
@@ -100,7 +101,15 @@ def inspect_keys(spec: LoraSpec, items: Iterable[tuple[str, Sequence[int]]]) -> 
 def _inspect(spec: LoraSpec, modules: dict[str, ModuleKeys], shape: Callable[[Any], tuple[int, ...]] = tuple,
              config: AdapterConfig | None = None) -> AdapterInfo:
     """inspect_keys over modules already grouped, whose role values give their shape through shape, under
-    config where there is one."""
+    config where there is one: in passes over columns where every module is a plain pair that fits, else
+    module by module."""
+    plain = plain_info(spec, modules, shape, _VOCAB_MODULES, misfit_at)
+    return plain.info if plain is not None else _walk(spec, modules, shape, config)
+
+
+def _walk(spec: LoraSpec, modules: dict[str, ModuleKeys], shape: Callable[[Any], tuple[int, ...]],
+          config: AdapterConfig | None) -> AdapterInfo:
+    """_inspect module by module, naming each misfit."""
     rank, unmapped, misfits, targets = 0, [], {}, set()
     placed: dict[tuple[str, int, int], str] = {}
     judged: dict[tuple, str | None] = {}  # misfit_at by (target, layer past the target's or -1, slice, shapes)
@@ -129,16 +138,6 @@ def _inspect(spec: LoraSpec, modules: dict[str, ModuleKeys], shape: Callable[[An
                 placed.setdefault((loc.target, loc.layer, sl), module)
             targets.add(loc.target)
     return AdapterInfo(rank, tuple(unmapped), misfits, frozenset(targets))
-
-
-def module_rank(spec: LoraSpec, loc: Location | None, a_shape: Sequence[int]) -> int:
-    """A module's rank: A's rows, or per expert where A stacks every expert's."""
-    r = a_shape[0] if a_shape else 0
-    if loc is not None and loc.slice is None:
-        experts = spec.targets[loc.target].experts
-        if experts is not None:
-            return r // experts.count
-    return r
 
 
 def refused_roles(module: str, roles: dict[str, tuple[int, ...]], doubled: Sequence[tuple[str, str]]) -> str | None:
@@ -179,13 +178,16 @@ def inspect_checkpoint(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
 
 
 def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
-    info = _inspect(spec, ckpt.modules(spec.convert_keys), attrgetter("shape"), ckpt.config)
-    misfits = dict(info.misfits)
-    config = ckpt.config
-    skip = set(misfits) | set(info.unmapped)  # judged already, or another node's
+    modules, config = ckpt.modules(spec.convert_keys), ckpt.config
+    plain = plain_info(spec, modules, attrgetter("shape"), _VOCAB_MODULES, misfit_at)
+    info = plain.info if plain is not None else _walk(spec, modules, attrgetter("shape"), config)
     ways = checkpoint_orientations(spec, ckpt)
     rules = ckpt.module_rules(spec.convert_keys)
-    for module, keys in ckpt.modules(spec.convert_keys).items():
+    if plain is not None and plain_header(spec, plain, config, rules, ways):
+        return AdapterInfo(info.rank, info.unmapped, {}, info.targets)
+    misfits = dict(info.misfits)
+    skip = set(misfits) | set(info.unmapped)  # judged already, or another node's
+    for module, keys in modules.items():
         a, b = keys.roles.get("A"), keys.roles.get("B")
         if a is None or b is None or module in skip:
             continue

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from itertools import repeat
+from operator import eq, itemgetter
 from typing import Any, NamedTuple
 
 PEFT_PREFIX = "base_model.model."
@@ -108,12 +110,32 @@ class ModuleKeys(NamedTuple):
 
 def group_keys(values: Mapping[str, Any], convert_keys: ConvertKeys) -> dict[str, ModuleKeys]:
     """values (by checkpoint key) grouped by module and role, as convert_keys reads the keys."""
+    keys = list(values)
+    read = convert_keys(keys)
+    paired = _paired(list(map(read.__getitem__, keys)), list(map(values.__getitem__, keys)))
+    if paired is not None:
+        return paired
     roles: dict[str, dict[str, Any]] = {}
     doubled: dict[str, list[tuple[str, str]]] = {}
-    for key, (module, role) in convert_keys(list(values)).items():
+    for key, (module, role) in read.items():
         mine = roles.setdefault(module, {})
         if role in mine:
             doubled.setdefault(module, []).append((role, key))
         else:
             mine[role] = values[key]
     return {m: ModuleKeys(r, tuple(doubled.get(m, ()))) for m, r in roles.items()}
+
+
+def _paired(read: list[tuple[str, str]], values: list[Any]) -> dict[str, ModuleKeys] | None:
+    """group_keys where the keys come two by two, each two one module's (A and B, as PEFT and safetensors
+    write them, in order) under two roles, no module twice: grouped in whole-list passes; else None."""
+    if len(read) % 2:
+        return None
+    modules, roles = list(map(itemgetter(0), read)), list(map(itemgetter(1), read))
+    firsts = modules[0::2]
+    if firsts != modules[1::2] or len(set(firsts)) != len(firsts) or any(map(eq, roles[0::2], roles[1::2])):
+        return None
+    a, b = zip(roles[0::2], values[0::2], strict=True), zip(roles[1::2], values[1::2], strict=True)
+    pairs = map(dict, zip(a, b, strict=True))
+    # tuple.__new__ makes each ModuleKeys in C: its own __new__ is a Python call a module
+    return dict(zip(firsts, map(tuple.__new__, repeat(ModuleKeys), zip(pairs, repeat(()))), strict=True))

@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import repeat
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from .keys import ConvertKeys, peft_keys
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 
 Parallel = Literal["column", "row", "replicated"]
 Slices = int | tuple[int, ...] | None  # which slices of its target a module covers (see LoraTarget.covered)
+_UNSEEN = object()  # a module not located yet (None is a module located nowhere)
 
 
 def bfloat16() -> torch.dtype:
@@ -304,6 +306,14 @@ class LoraSpec:
             break
         if len(self._located) < 1 << 20:  # adapters of one model share their module names
             self._located[module] = found
+        return found
+
+    def locate_all(self, modules: Sequence[str]) -> list[Location | None]:
+        """locate of each module, in order: those located before (adapters of one model share their names)
+        looked up in one pass, the rest located one by one."""
+        found = list(map(self._located.get, modules, repeat(_UNSEEN)))
+        if _UNSEEN in found:
+            found = [self.locate(m) if loc is _UNSEEN else loc for m, loc in zip(modules, found, strict=True)]
         return found
 
     def check_world(self, world_size: int) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import itemgetter, methodcaller
 from typing import Any
 
 from ..keys import peft_keys
@@ -106,11 +108,14 @@ class MoeKeys:
     inner wrapper (mlp.experts.base_layer) and down_proj the outer (mlp.experts)."""
 
     def __call__(self, keys: Sequence[str]) -> dict[str, tuple[str, str]]:
-        out = {}
-        for key, (module, role) in peft_keys(keys).items():
+        out = peft_keys(keys)
+        stacked = map(methodcaller("endswith", (".mlp.experts.base_layer", ".mlp.experts")), map(itemgetter(0),
+                                                                                                 out.values()))
+        for key in list(compress(out, stacked)):  # the few stacked modules, renamed where they are
+            module, role = out[key]
             if module.endswith(".mlp.experts.base_layer"):
                 module = module.removesuffix("base_layer") + "gate_up_proj"
-            elif module.endswith(".mlp.experts"):
+            else:
                 module += ".down_proj"
             out[key] = (module, role)
         return out
