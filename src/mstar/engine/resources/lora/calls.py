@@ -12,8 +12,9 @@ every other rank. A call that only some ranks have made waits for the others; on
 seconds by rank 0's clock (reckoned from the gathered queues, so every rank reckons alike) it is refused
 on the ranks that made it, applied nowhere; a resolution or a forgetting is instead applied on every rank
 at that step as a failure (or a forgetting), so no rank waits on a name another rank gave up on. A round
-whose collective fails (a rank gone, the group's timeout) leaves the ranks out of step for good: every call
-queued, and every one made later, is refused saying so, so no caller waits on a group that cannot agree.
+that ends part way (a collective failed: a rank gone, the group's timeout; or an interrupt) may leave the
+ranks out of step for good: every call queued or taken, and every one made later, is refused saying so, and
+the manager's steps too, so no caller waits on a group that cannot agree and no collective crosses another.
 
 A call made on the engine thread itself is agreed at once, by a round that every rank must make at the
 same point (a header tag says which kind of round each rank is in). Where one rank is in such a round while
@@ -78,7 +79,8 @@ class Calls:
         self._queue: list[Call] = []
         self._seq = 0
         self._first_seen: dict[tuple[int, int], float] = {}  # (rank, seq) -> rank 0's clock when first gathered
-        self.closed: str | None = None  # why calls are refused now (the manager was closed)
+        self.closed: str | None = None  # why calls are refused now (the manager was closed, or broken), the first
+        self.broken: str | None = None  # why the ranks may be out of step (a round ended part way), if they may
 
     def put(self, kind: str, names: tuple[str, ...], checked: Mapping[str, Checked] | None = None) -> Call:
         with self._lock:
@@ -129,9 +131,9 @@ class Calls:
     def close(self, why: str) -> None:
         """Every queued call refused with why, its caller told; calls put later are refused at once."""
         with self._lock:
-            queue, self._queue, self.closed = self._queue, [], why
+            queue, self._queue, self.closed = self._queue, [], self.closed or why
         for call in queue:
-            self.settle(call, _not_applied(call, why))
+            self.settle(call, _not_applied(call, self.closed))
 
     def drop_kind(self, kind: str, name: str) -> None:
         """Every queued call of kind about name dropped (a resolution that another rank's failure overtook)."""
@@ -155,10 +157,32 @@ class Calls:
             return self._round(round_, mine)
         except Deferred:
             raise
-        except BaseException as e:  # a collective failed (a rank gone, a timeout): the ranks are out of step
-            self.close(f"a collective of this manager's process group failed ({short(e)}): a group whose "
-                       "collective failed cannot agree calls any more; close the manager and build it on a new group")
+        except BaseException as e:  # a collective failed (a rank gone, a timeout), or an interrupt part way
+            self.fail(e, mine)
             raise
+
+    def fail(self, e: BaseException, taken: list[Call] | tuple[Call, ...] = ()) -> None:
+        """A round (a step's, or a call's) ended part way on this rank, by e: the ranks may be out of step for
+        good, so no call is agreed any more. The calls queued and taken, and every later one, refused saying
+        so; broken says why (the manager's steps are refused too)."""
+        try:
+            rank = f"rank {dist.get_rank(self.group)}"
+        except Exception:  # a group already let go
+            rank = "this rank"
+        why = (f"a round of this manager's process group ended part way on {rank} ({short(e)}): its ranks may no "
+               "longer agree, so it makes no collective any more; close it and build it on a new group")
+        with self._lock:
+            self.broken = self.broken or why
+        self.close(self.broken)
+        for call in taken:
+            self.settle(call, _not_applied(call, self.broken))
+
+    def interrupted(self, taken: list[Call], e: BaseException) -> None:
+        """Without a group: the calls a round took whose callers were not told yet, told that it was interrupted
+        (e) before or while it applied them."""
+        for call in taken:
+            self.settle(call, ValueError(f"adapter {', '.join(map(repr, call.names))}: {call.kind} was interrupted "
+                                         f"as it was applied ({short(e)}): not applied, or in part; call it again"))
 
     def _round(self, round_: int, mine: list[Call]) -> list[Applied]:
         while True:

@@ -85,6 +85,7 @@ class LoraManager(Registrations):
         self._engine_thread = engine_thread
         self._stepping: int | None = None  # the thread in a step now
         self._closed = False
+        self._on_worker = threading.local()  # .yes on the read workers' threads
         self._rounds = threading.RLock()  # a step's collectives, or an engine-thread call's round: never interleaved
         device = next(iter(pools.values())).device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -107,25 +108,27 @@ class LoraManager(Registrations):
     # --- the step ------------------------------------------------------------------------
 
     def step(self, running: Sequence[Request], waiting: Sequence[Request]) -> Step:
-        """This step's admissions, failures and slots (see Step). Never waits on a read."""
+        """This step's admissions, failures and slots (see Step). Never waits on a read. With a group, a step
+        that raises part way (a collective failed, an interrupt) leaves the ranks out of step: the manager
+        makes no collective after it, and its steps and calls are refused saying why."""
         me = threading.get_ident()
-        self._refuse_closed("step")  # before the lock too: an engine stepping on after close never starves it
+        self._refuse_ended("step")  # before the lock too: an engine stepping on after close never starves it
         with self._rounds:
-            self._refuse_closed("step")
+            self._refuse_ended("step")
+            pins = self._pins(running)  # refused before any collective: the ranks stay in step
             self._stepping, self._engine = me, me if self._engine_thread else None
             try:
-                return self._step(running, waiting)
+                return self._step(pins, waiting)
+            except BaseException as e:
+                if self.group is not None:
+                    self._calls.fail(e)
+                raise
             finally:
                 self._stepping = None
 
-    def _refuse_closed(self, what: str) -> None:
-        if self._closed:
-            raise ValueError(f"{what}: the manager was closed; build a new one to serve again")
-
-    def _step(self, running: Sequence[Request], waiting: Sequence[Request]) -> Step:
+    def _step(self, pins: dict[Hashable, Version | None], waiting: Sequence[Request]) -> Step:
         self._apply(STEP)
         out = Step()
-        pins = self._pins(running)
         batch = list(dict.fromkeys(v for v in pins.values() if v is not None))
         wanted: dict[Hashable, Version] = {}
         for r in waiting:
@@ -182,9 +185,9 @@ class LoraManager(Registrations):
         """Hold the queue's adapters and start their reads as step would, admitting nothing: for an engine
         that hears of requests while the forward runs; names not registered start resolving. Every rank
         calls it alike, as it calls step."""
-        self._refuse_closed("prefetch")
+        self._refuse_ended("prefetch")
         with self._rounds:  # ordered with close as a step is: nothing starts resolving once it is closed
-            self._refuse_closed("prefetch")
+            self._refuse_ended("prefetch")
             batch = list(dict.fromkeys(self._pinned.values()))
             if self._resolution is not None:  # names no one registered: resolution started now, not next step
                 for r in waiting:
@@ -249,6 +252,7 @@ class LoraManager(Registrations):
         file fixed, say): the next hold reads it anew."""
         v, start = entry.version, time.perf_counter()
         copies: dict[str, Any] | None = {}
+        self._on_worker.yes = True  # close() from here does not wait on this thread
         try:
             with ExitStack() as stack:
                 path = stack.enter_context(self.disk_tier().local(v.path)) if isinstance(v.path, Remote) else v.path
@@ -402,22 +406,6 @@ class LoraManager(Registrations):
             if deadline <= time.monotonic():
                 return False
             wait(pending, timeout=None if until == math.inf else max(0.0, until - time.monotonic()))
-
-    def close(self) -> None:
-        """Refuse steps and calls made from now on; once a step's round in flight has finished (on a rank waiting for a
-        peer that is gone, when the group's own timeout ends it), refuse the calls still queued (their callers
-        told why); then wait for reads under way, stop the workers, and let go of the process group, so that it
-        goes with destroy_process_group rather than whenever the manager is collected (a gloo group destroyed
-        at interpreter exit can abort the process)."""
-        why = "the manager was closed"
-        self._closed = True  # steps from now on refused at once
-        self._calls.closed = why  # and calls
-        with self._rounds:  # between rounds, never within one: a step's round on another thread finishes first
-            self._calls.close(why)
-            self.group = self._calls.group = None
-        self._workers.shutdown(wait=True)
-        if self._resolution is not None:
-            self._resolution.close()
 
 
 def _recoverable(error: ValueError, v: Version) -> ValueError:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .calls import SYNC, Call, Deferred
+from .calls import SYNC, Applied, Call, Deferred
 from .disk_tier import DiskTier, default_tier
 from .registry import Version
 from .versions import Checked, check_path, check_pushed
@@ -88,8 +88,8 @@ class Registrations:
                     self._apply(SYNC)
         elif self._on_engine_thread():
             try:
-                while not call.done.done():  # until every rank has made it, or it waited past agree_within
-                    with self._rounds:
+                with self._rounds:  # every round until it is decided: a close waits for them, on every rank alike
+                    while not call.done.done():  # until every rank has made it, or it waited past agree_within
                         self._apply(SYNC)
             except Deferred:
                 raise Deferred(
@@ -100,6 +100,11 @@ class Registrations:
             except ValueError:
                 self._calls.drop(call)  # refused here: never applied later by a round it was not agreed in
                 raise
+            except Exception as e:  # its round failed (a collective): the call was told why, as a ValueError
+                told = call.done.exception() if call.done.done() else None
+                if told is None:
+                    raise
+                raise told from e
         else:
             return self._await(call)
         return call.done.result()
@@ -133,7 +138,18 @@ class Registrations:
         told. Resolutions past their time are failed first, so their failure is in this round."""
         if self._resolution is not None:
             self._resolution.expire()
-        for call, result in self._calls.agree(round_):
+        applied = self._calls.agree(round_)
+        try:
+            self._applied(applied)
+        except BaseException as e:  # an interrupt part way: no caller is left waiting on a call taken off the queue
+            if self.group is not None:  # and this rank may now differ from its peers
+                self._calls.fail(e, [c for c, _ in applied])
+            else:
+                self._calls.interrupted([c for c, _ in applied], e)
+            raise
+
+    def _applied(self: LoraManager, applied: list[Applied]) -> None:
+        for call, result in applied:
             if call.kind in ("resolve", "forget"):
                 self._resolved(call.kind, call.names[0], result)
             elif isinstance(result, ValueError):
@@ -162,6 +178,29 @@ class Registrations:
                 self._register(result[name])
         self._resolution.applied(name, result if isinstance(result, ValueError) else None,  # type: ignore[union-attr]
                                  heard=ours)
+
+    def close(self: LoraManager) -> None:
+        """Refuse steps and calls made from now on; once a step's round in flight has finished (on a rank
+        waiting for a peer that is gone, when the group's own timeout ends it), refuse the calls still queued
+        (their callers told why); then wait for reads under way (but the one closing it, if a read does), stop
+        the workers, and let go of the process group, so that it goes with destroy_process_group rather than
+        whenever the manager is collected (a gloo group destroyed at interpreter exit can abort the process)."""
+        why = "the manager was closed"
+        self._closed = True  # steps from now on refused at once
+        self._calls.closed = self._calls.closed or why  # and calls
+        with self._rounds:  # between rounds, never within one: a step's round on another thread finishes first
+            self._calls.close(why)
+            self.group = self._calls.group = None
+        self._workers.shutdown(wait=not getattr(self._on_worker, "yes", False))  # a read closing: not on itself
+        if self._resolution is not None:
+            self._resolution.close()
+
+    def _refuse_ended(self: LoraManager, what: str) -> None:
+        """A step or prefetch refused once the manager is closed, or its group was left out of step."""
+        if self._closed:
+            raise ValueError(f"{what}: the manager was closed; build a new one to serve again")
+        if self._calls.broken is not None:
+            raise ValueError(f"{what}: {self._calls.broken}")
 
     def disk_tier(self: LoraManager) -> DiskTier:
         """Where remote adapters' files are kept on local disk: the one given, else disk_tier.default_tier()."""
