@@ -63,13 +63,13 @@ def test_an_interrupt_while_calls_are_applied_tells_every_caller(tmp_path):
     m = one_node()
     m.step([], [])
     interrupt_first_register(m)
-    with m._rounds:  # both queued before a round takes them (a step in progress)
-        res, threads = queued_from_threads(m, {"a": str(pa), "b": str(pb)})
-    try:
-        m.step([], [])
-        raise AssertionError("the interrupt was swallowed")
-    except KeyboardInterrupt:
-        pass
+    with m._rounds:  # both queued, then applied by this thread's step (their callers, which would apply them
+        res, threads = queued_from_threads(m, {"a": str(pa), "b": str(pb)})  # themselves, wait on the lock)
+        try:
+            m.step([], [])
+            raise AssertionError("the interrupt was swallowed")
+        except KeyboardInterrupt:
+            pass
     for t in threads:
         t.join(10)
     assert not any(t.is_alive() for t in threads), "a caller waits on a call taken off the queue"
