@@ -158,6 +158,44 @@ def test_a_round_interrupted_on_one_rank_only_never_crosses_collectives(tmp_path
         s.startswith(f"ValueError: step: {BROKEN} 1 (RuntimeError") for s in r1["steps"][1:]), r1
 
 
+def interrupted_hold_rank(rank: int, world_size: int, rendezvous: str, path: str, out: str) -> None:
+    """Rank 0's step is interrupted before its states' collective (in its holds), rank 1's is in that
+    collective; both engines catch what their step raises and step on."""
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=6))
+    spec = specs_from_config(CONFIG, max_rank=8, capacity=3)["language_model"]
+    m = LoraManager({"language_model": LoraAdapterStore(spec, rank, world_size, pin=False)},
+                    {"language_model": LoraDevicePool(spec, 2, rank=rank, world_size=world_size)},
+                    group=dist.group.WORLD, agree_within=2.0)
+    m.register("a", path)  # on both engine threads: agreed at once
+    if rank == 0:
+        real = m._hold
+
+        def interrupted(*a, **k):
+            m._hold = real
+            raise KeyboardInterrupt
+
+        m._hold = interrupted
+    steps = []
+    for i in range(4):
+        try:
+            m.step([], [Request(i, "a")])
+            steps.append("ok")
+        except BaseException as e:
+            steps.append(f"{type(e).__name__}: {e}")
+    torch.save(steps, f"{out}{rank}")
+    os._exit(0)  # the group is out of step: no teardown
+
+
+def test_a_step_interrupted_outside_its_calls_makes_no_collective_after_it(tmp_path):
+    _, path = make_adapter(tmp_path, name="a", seed=1, config=CONFIG)
+    r0, r1 = ranks(interrupted_hold_rank, tmp_path, str(path))  # crossed collectives abort a rank: fails here
+    assert r0[0] == "KeyboardInterrupt: " and all(s.startswith(f"ValueError: step: {BROKEN} 0 (KeyboardInterrupt)")
+                                                  for s in r0[1:]), r0
+    assert r1[0].startswith("RuntimeError") and all(s.startswith(f"ValueError: step: {BROKEN} 1 (RuntimeError")
+                                                    for s in r1[1:]), r1
+
+
 def gone_under_call_rank(rank: int, world_size: int, rendezvous: str, path: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=3))
