@@ -160,3 +160,26 @@ def test_a_refused_header_on_one_thread_restores_the_collector_for_all(tmp_path,
 
     assert not _threads(4, body)
     assert gc.isenabled()
+
+
+def test_a_pushed_adapters_entries_are_untracked_and_its_copy_equals_the_files(tmp_path):
+    """A real PEFT adapter pushed from memory (as an RL loop syncs one): its header's entries untracked, as a
+    file's are, and the copy it serves equal to the file's, byte for byte."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from mstar.engine.resources.lora.memory import tensor_checkpoint
+
+    _, path = make_adapter(tmp_path, "llama")
+    tensors = load_file(path / "adapter_model.safetensors")
+    config = json.loads((path / "adapter_config.json").read_text())
+    spec = specs_from_config(model_config("llama"), max_rank=16)["language_model"]
+    pushed = LoraAdapterStore(spec, pin=False).read_tensors("pushed", tensors, config)
+    read = LoraAdapterStore(spec, pin=False).read("read", path)
+    ckpt = tensor_checkpoint("pushed", tensors, config)
+    assert ckpt.header.tensors and not any(map(gc.is_tracked, ckpt.header.tensors.values()))
+    assert (pushed.rank, pushed.scaling) == (read.rank, read.scaling) and pushed.a.keys() == read.a.keys()
+    for mine, theirs in ((pushed.a, read.a), (pushed.b, read.b)):
+        for target in mine:
+            assert torch.equal(mine[target].view(torch.uint8), theirs[target].view(torch.uint8)), target
