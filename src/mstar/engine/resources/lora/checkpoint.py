@@ -12,10 +12,12 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import hub, safetensors_header
+from .acyclic import untrack
 from .adapter_config import AdapterConfig, ModuleRule, parse_config, read_config
 from .keys import PEFT_PREFIX, ConvertKeys, ModuleKeys, group_keys
 from .safetensors_header import FLOAT_DTYPES, Header, NotSafetensors, TensorEntry, read_header
@@ -150,7 +152,11 @@ class Checkpoint:
         """Each module's tensors by role, as convert_keys reads the keys (once per header and conversion)."""
         memo = self.header.memo
         if convert_keys not in memo:
-            memo[convert_keys] = group_keys(self.header.tensors, convert_keys)
+            grouped = group_keys(self.header.tensors, convert_keys)
+            # each a dict of entries and a tuple of names: in no cycle, out of the collector's passes (acyclic.py)
+            if set(map(type, self.header.tensors.values())) <= {TensorEntry}:
+                untrack(chain.from_iterable((keys, keys.roles) for keys in grouped.values()))
+            memo[convert_keys] = grouped
         return memo[convert_keys]
 
     def module_rules(self, convert_keys: ConvertKeys) -> dict[str, ModuleRule]:

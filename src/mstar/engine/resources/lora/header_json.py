@@ -67,7 +67,13 @@ _lock = threading.Lock()
 def no_collection() -> Iterator[None]:
     """The cyclic garbage collector held off while a header's hundreds of thousands of acyclic objects are
     made: it would walk them all again and again (a header of 37,248 tensors parses 2.5x faster without it).
-    Nested and threaded alike: collection resumes once the last parse is over, if it ran before the first."""
+    Nested and threaded alike (tests/test_collector.py): the collector's switch is the process's, so reads on
+    several threads share one pause, counted under a lock; one thread's read ending leaves it off under the
+    others', and it is turned back on once the last is over, on an error as on success, only if it was on
+    before the first began (a host that runs with it off finds it off). What a host does to the switch while a
+    read holds it cannot be told from the read's own: turned on, it stays on; turned off, it is on again after
+    the last read. Reads that overlap without a pause between hold collection off for as long: their own
+    objects are acyclic and freed by their counts, but the host's cycles wait for the first moment none runs."""
     with _lock:
         if _pause["depth"] == 0:
             _pause["enabled"] = gc.isenabled()

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .acyclic import untrack
 from .adapter_config import AdapterConfig, parse_config
 from .checkpoint import CONFIG, Checkpoint, refusal
 from .keys import PEFT_PREFIX
@@ -86,6 +87,7 @@ def _header(listing: tuple[tuple[str, str, tuple[int, ...]], ...]) -> Header:
         n = DTYPES[dtype].itemsize * math.prod(shape)
         entries[key] = TensorEntry(dtype, shape, at, at + n)
         at += max(-(-n // 16) * 16, 16)  # an empty tensor too has a start of its own
+    untrack(entries.values())  # a str, sizes and ints: in no cycle (acyclic.py), as a file's entries
     return Header(entries, {}, 0, at, identity=listing)
 
 

@@ -18,8 +18,10 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import chain
 from typing import TYPE_CHECKING, NamedTuple
 
+from .acyclic import untrack
 from .checkpoint import Checkpoint
 from .experts import checkpoint_orientations
 from .layout import SlotLayout
@@ -271,6 +273,8 @@ def placed_modules(ckpt: Checkpoint, spec: LoraSpec) -> list[tuple[str, Location
             loc = locate(module)
             if loc is not None:
                 placed.append((module, loc, keys.roles.get("A"), keys.roles.get("B")))
+        if set(map(type, chain.from_iterable(p[2:] for p in placed))) <= {TensorEntry, type(None)}:
+            untrack(placed)  # names, Locations and entries: in no cycle (acyclic.py)
         memo[key] = placed
     return memo[key]
 

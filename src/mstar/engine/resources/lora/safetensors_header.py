@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import blake3
 
 from . import header_json
+from .acyclic import untrack
 
 if TYPE_CHECKING:
     import torch
@@ -182,7 +183,9 @@ def _entries(raw: dict[str, object], data_start: int) -> dict[str, TensorEntry]:
     fast = _well_formed(list(raw), list(raw.values()), data_start)
     if fast is not None:
         return fast
-    return {name: _entry(name, value, data_start) for name, value in raw.items()}
+    entries = {name: _entry(name, value, data_start) for name, value in raw.items()}
+    untrack(entries.values())
+    return entries
 
 
 def _well_formed(names: list[str], values: list, data_start: int) -> dict[str, TensorEntry] | None:
@@ -207,6 +210,9 @@ def _well_formed(names: list[str], values: list, data_start: int) -> dict[str, T
     if set(map(type, bounds)) != {int} or min(bounds) < 0:
         return None
     shapes = list(map(tuple, shapes))
+    one = dict(zip(shapes, shapes, strict=True))  # each distinct shape one tuple, shared by its entries
+    shapes = list(map(one.__getitem__, shapes))
+    untrack(one.values())
     kinds = list(zip(dtypes, shapes, strict=True))
     sizes = {k: ITEMSIZES[k[0]] * math.prod(k[1]) for k in set(kinds)}
     begins, ends = bounds[0::2], bounds[1::2]
@@ -214,8 +220,9 @@ def _well_formed(names: list[str], values: list, data_start: int) -> dict[str, T
         return None
     starts, stops = map(data_start.__add__, begins), map(data_start.__add__, ends)
     # tuple.__new__ makes each entry in C; TensorEntry's own __new__ is a Python call a tensor
-    return dict(zip(names, map(tuple.__new__, repeat(TensorEntry), zip(dtypes, shapes, starts, stops, strict=True)),
-                    strict=True))
+    entries = list(map(tuple.__new__, repeat(TensorEntry), zip(dtypes, shapes, starts, stops, strict=True)))
+    untrack(entries)  # a str, sizes and ints: in no cycle, so out of the collector's passes (acyclic.py)
+    return dict(zip(names, entries, strict=True))
 
 
 def _entry(name: str, value: object, data_start: int) -> TensorEntry:

@@ -10,6 +10,7 @@ from functools import cached_property
 from itertools import repeat
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
+from .acyclic import untrack
 from .keys import ConvertKeys, peft_keys
 
 if TYPE_CHECKING:
@@ -303,6 +304,8 @@ class LoraSpec:
                 s = int(expert) * s.per + s.offset
             row = self.targets[target].row(int(layer))
             found = None if row is None else Location(target, row, s)
+            if found is not None and (s is None or type(s) is int or all(type(x) is int for x in s)):
+                untrack((found,))  # a name and integers: in no cycle (acyclic.py); spec's cache keeps it
             break
         if len(self._located) < 1 << 20:  # adapters of one model share their module names
             self._located[module] = found
