@@ -32,9 +32,9 @@ class Counted:
         self.bytes = 0
         original = FileSource.read_into
 
-        def read_into(source, views, at):
+        def read_into(source, views, at, nbytes=None):
             self.bytes += sum(len(v) for v in views)
-            return original(source, views, at)
+            return original(source, views, at, nbytes)
 
         monkeypatch.setattr(FileSource, "read_into", read_into)
 

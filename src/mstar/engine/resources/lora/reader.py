@@ -89,7 +89,7 @@ class Scatter:
             i += 1
 
 
-LandedRun = tuple[int, list[memoryview]]  # a run's offset in the source, and the memory its parts land in
+LandedRun = tuple[int, list[memoryview], int]  # a run's offset in the source, where its parts land, their total
 
 
 def landed_runs(p: Plan, landing: Landing) -> list[list[LandedRun]]:
@@ -98,7 +98,7 @@ def landed_runs(p: Plan, landing: Landing) -> list[list[LandedRun]]:
     out = []
     for memory, batches in zip(landing.memory, (p.batches, p.staged_batches), strict=True):
         view = memory_at(memory.data_ptr(), memory.numel())
-        out += [[(at, [view[to : to + n] for to, n in parts]) for at, parts in b] for b in batches]
+        out += [[(at, [view[to : to + n] for to, n in parts], total) for at, parts, total in b] for b in batches]
     return out
 
 
@@ -106,7 +106,7 @@ def landing_ranges(runs: list[list[LandedRun]]) -> list[tuple[int, int, memoryvi
     """Every part of runs, as (its offset in the source, its length, where it lands)."""
     out = []
     for batch in runs:
-        for at, views in batch:
+        for at, views, _ in batch:
             for v in views:
                 out.append((at, len(v), v))
                 at += len(v)
@@ -115,7 +115,7 @@ def landing_ranges(runs: list[list[LandedRun]]) -> list[tuple[int, int, memoryvi
 
 def fingerprints(runs: list[list[LandedRun]]) -> tuple[int, ...]:
     """Each run's fingerprint, from where it landed (before anything is laid out from it)."""
-    return tuple(fingerprint.of_parts(views) for batch in runs for _, views in batch)
+    return tuple(fingerprint.of_parts(views) for batch in runs for _, views, _ in batch)
 
 
 def lay_out(p: Plan, landing: Landing, folds: Folds) -> dict[str, torch.Tensor]:
@@ -260,7 +260,7 @@ def read(source: Source, batches: list[list[LandedRun]], expected: Sequence[int]
     queue: deque = deque()
     index = 0
     for b in batches:
-        queue.append([(index + i, at, views) for i, (at, views) in enumerate(b)])
+        queue.append((index, b))
         index += len(b)
     helpers = [_READERS.submit(_drain, source, queue, expected) for _ in range(min(READ_THREADS - 1, len(queue)))]
     try:
@@ -278,12 +278,12 @@ def read(source: Source, batches: list[list[LandedRun]], expected: Sequence[int]
 def _drain(source: Source, queue: deque, expected: Sequence[int] | None) -> None:
     while True:
         try:
-            runs = queue.popleft()
+            first, runs = queue.popleft()
         except IndexError:
             return
-        for i, at, views in runs:
-            source.read_into(views, at)
+        for i, (at, views, nbytes) in enumerate(runs, first):
+            source.read_into(views, at, nbytes)
             if expected is not None and fingerprint.of_parts(views) != expected[i]:
                 queue.clear()
-                raise ValueError(f"the {sum(map(len, views))} bytes at offset {at} differ from those that hashed "
+                raise ValueError(f"the {nbytes} bytes at offset {at} differ from those that hashed "
                                  "to its digest")

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from .layout import SlotLayout, TargetLayout
 
-Run = tuple[int, tuple[tuple[int, int], ...]]  # one preadv: file offset, ((destination offset, bytes), ...)
+Run = tuple[int, tuple[tuple[int, int], ...], int]  # one preadv: file offset, ((to, bytes), ...), their total
 Batch = tuple[Run, ...]  # runs read one after another by one thread
 COLUMNS = ("module", "target", "layer", "r", "cols", "c0", "c1", "b0", "b1", "a_to", "b_to", "a_start", "b_start",
            "exact")
@@ -195,10 +195,10 @@ def batches(reads: Reads, batch_bytes: int, run_bytes: int, iov_max: int) -> tup
     starts = torch.nonzero(new_run).flatten().tolist()
     batch_starts = set(torch.nonzero(new_batch).flatten().tolist())
     parts = list(zip(to.tolist(), n.tolist(), strict=True))
-    at_list = at.tolist()
+    at_list, before = at.tolist(), [*done.tolist(), int(done[-1] + n[-1])]
     out: list[list[Run]] = []
     for i, (s, e) in enumerate(zip(starts, [*starts[1:], len(at_list)], strict=True)):
         if i == 0 or s in batch_starts:
             out.append([])
-        out[-1].append((at_list[s], tuple(parts[s:e])))
+        out[-1].append((at_list[s], tuple(parts[s:e]), before[e] - before[s]))
     return tuple(tuple(b) for b in out)

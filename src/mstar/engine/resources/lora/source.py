@@ -24,11 +24,12 @@ if TYPE_CHECKING:
 
 
 class Source(Protocol):
-    """What a read reads from: read_into fills views, one after another, from a byte offset."""
+    """What a read reads from: read_into fills views, one after another, from a byte offset (nbytes, where
+    given, is their total, which the caller knows)."""
 
     size: int
 
-    def read_into(self, views: list[memoryview], at: int) -> None: ...
+    def read_into(self, views: list[memoryview], at: int, nbytes: int | None = None) -> None: ...
 
     def unchanged(self) -> bool: ...
 
@@ -67,19 +68,28 @@ class FileSource:
             out += got
         return bytes(out)
 
-    def read_into(self, views: list[memoryview], at: int) -> None:
+    def read_into(self, views: list[memoryview], at: int, nbytes: int | None = None) -> None:
         """Fill views, one after another, from offset at; ValueError if the file ends first (it was cut
-        since it was opened)."""
+        since it was opened). nbytes, their total where the caller knows it, lets a whole read (as a
+        regular file gives one) return on one comparison: rank 3 of 8 reads in over a thousand calls."""
+        got = os.preadv(self.fd, views, at)
+        if got != (sum(map(len, views)) if nbytes is None else nbytes):
+            self._read_rest(views, at, got)
+
+    def _read_rest(self, views: list[memoryview], at: int, got: int) -> None:
+        """After a short read of got bytes (a signal, a huge run, the file's end): on from where it stopped."""
         views = [v for v in views if len(v)]
-        while views:
+        while True:
+            at += got
+            while views and got >= len(views[0]):
+                got -= len(views.pop(0))
+            if not views:
+                return
+            if got:
+                views[0] = views[0][got:]
             got = os.preadv(self.fd, views, at)
             if got == 0:
                 raise ValueError("the file ended early: it was cut or rewritten since its header was read")
-            at += got
-            while views and got >= len(views[0]):  # a short read (a signal, a huge run): on from where it stopped
-                got -= len(views.pop(0))
-            if got:
-                views[0] = views[0][got:]
 
     def unchanged(self) -> bool:
         """Whether the file still has the size it was opened with (a rewrite in place may keep it)."""
@@ -109,7 +119,7 @@ class TensorSource:
         self._copies: dict[int, memoryview] = {}  # copies made of tensors that were not contiguous CPU ones
         self._kept: list[torch.Tensor] = []
 
-    def read_into(self, views: list[memoryview], at: int) -> None:
+    def read_into(self, views: list[memoryview], at: int, nbytes: int | None = None) -> None:
         for v in views:
             self._fill(v, at)
             at += len(v)
