@@ -1,15 +1,16 @@
 """Reading a Qwen3-30B-A3B-shaped expert adapter, against a memcpy of its bytes; its host bytes per rank.
 
 Run: .venv/bin/python benchmarks/bench_experts.py
-The adapter puts rank 2 on every expert's gate, up and down (128 experts, 48 layers) and rank 16 on
-q, k, v and o, in bf16, saved two ways: as transformers 4's per-expert modules (36,864 expert tensors)
-and as PEFT's stacked target_parameters factors (one pair per layer and projection). The pool's
-max_rank is 16 for attention and 2 for experts. Ratios of medians of 9 interleaved runs, in one run;
-"warm" is a header seen before, as after the startup check. The order of the runs rotates from one round
-to the next, so none always runs first after another's memory was let go. With --main SRC (a src folder of main's code,
-say /tmp/main-ref/src), main's read runs side by side in the same process, its package copied under
-another name (mstar_main), so both read the same file in the same runs. For the per-expert adapter, its check
-alone (open_checkpoint and adapter_problems over both nodes, a header never seen, the collector held off as
+The adapter puts rank 2 on every expert's gate, up and down (128 experts, 48 layers) and rank 16 on q, k, v
+and o, in bf16, saved two ways: as transformers 4's per-expert modules (36,864 expert tensors) and as PEFT's
+stacked target_parameters factors (one pair per layer and projection). The pool's max_rank is 16 for attention
+and 2 for experts. Ratios of medians of 9 interleaved runs, in one run; "warm" is a header seen before, as
+after the startup check, and planned on by these stores (the check alone runs on a header never seen, and the
+reads' cached one is put back after it). The order of the runs rotates from one round to the next, so none
+always runs first after another's memory was let go. With --main SRC (a src folder of main's code, say
+/tmp/main-ref/src), main's read runs side by side in the same process, its package copied under another name
+(mstar_main), so both read the same file in the same runs. For the per-expert adapter, its check alone
+(open_checkpoint and adapter_problems over both nodes, a header never seen, the collector held off as
 check_checkpoint holds it; no digest) is set beside json.loads of its header's bytes, as called, in the same
 rounds. With --collected each run starts from a heap just collected, outside its time: no run then pays for
 collecting another's garbage (without it, whichever run sets off the collector's full pass over the process's
@@ -35,7 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Memcpy, cold, ms, settle_writes
+from common import Memcpy, aside, cold, ms, settle_writes
 
 from mstar.engine.resources.lora import LoraAdapterStore, check_adapter_file, specs_from_config
 from mstar.engine.resources.lora.check import adapter_problems
@@ -170,7 +171,7 @@ def main() -> None:
 
         if kind == "per-expert":  # the check alone (open and both nodes' inspection), beside a JSON parse
             nodes = [s.spec for s in stores.values()]
-            fns["check"] = cold(functools.partial(check_alone, None, open_checkpoint, adapter_problems, nodes, path))
+            fns["check"] = aside(functools.partial(check_alone, None, open_checkpoint, adapter_problems, nodes, path))
             fns["json"] = functools.partial(json.loads, header_text(file))
             if theirs is not None:
                 opened, problems = (importlib.import_module(f"mstar_main.engine.resources.lora.{m}")
