@@ -14,7 +14,6 @@ file cut meanwhile would turn into a SIGBUS.
 from __future__ import annotations
 
 import os
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from .acyclic import untrack
 from .checkpoint import Checkpoint
 from .experts import checkpoint_orientations
+from .folds import Folds, fold
 from .layout import SlotLayout
 from .rows import Batch, Reads, Table, batches, compile_table, skew
 from .safetensors_header import TensorEntry, torch_dtypes
@@ -189,51 +189,9 @@ class Plan:
         if key not in self._folds:
             if len(self._folds) > 64:
                 self._folds.clear()
-            self._folds[key] = _folds(self, scalings)
+            self._folds[key] = fold(scalings, self.modules, self.owners)
         self._folds["last"] = (scalings, self._folds[key])
         return self._folds[key]
-
-
-class Folds(NamedTuple):
-    """The slots' scaling, and each module's own scaling as a ratio to it, folded into B in float32 before
-    the cast: per module, or over a target's whole b where every module of it has one ratio and was
-    copied exactly."""
-
-    scaling: float
-    ratios: dict[str, float]
-    whole: dict[str, float]
-
-
-def node_scaling(scalings: Mapping[str, float], modules: Iterable[str]) -> float:
-    """The scaling a node's slots take: the one most of the modules it serves share (the smaller where
-    two are as common), never 0 while one is not; the rest fold into their B. It follows from the
-    modules' scalings alone, which the digest covers, so one digest is always one layout. An expert
-    node of an adapter whose experts have a rank of their own thus folds nothing."""
-    counts = Counter(scalings[m] for m in modules)
-    nonzero = {s: n for s, n in counts.items() if s}
-    if not nonzero:
-        return 0.0 if counts else 1.0  # every module serves nothing, or there are none
-    return max(nonzero, key=lambda s: (nonzero[s], -s))
-
-
-def _folds(p: Plan, scalings: Mapping[str, float]) -> Folds:
-    scaling = node_scaling(scalings, p.modules)
-    ratios = {m: scalings[m] / scaling for m in p.modules if scalings[m] != scaling}
-    if not ratios:  # every module at the node's scaling (an expert node at a rank of its own): nothing folds
-        return Folds(scaling, {}, {})
-    # Targets whose every module has one ratio and was copied exactly (in the store's dtype) fold their
-    # whole b in place at once: a Qwen3-MoE adapter's experts at a rank of their own, 55,000 folds become one.
-    seen: dict[str, set[tuple[float, bool]]] = {}
-    for module, target, exact in p.owners:
-        seen.setdefault(target, set()).add((ratios.get(module, 1.0), exact))
-    whole = {}
-    for target, kinds in seen.items():
-        if len(kinds) == 1:
-            ((ratio, exact),) = kinds
-            if exact and ratio != 1.0:
-                whole[target] = ratio
-    ratios = {m: r for m, t, _ in p.owners if (r := ratios.get(m)) is not None and t not in whole}
-    return Folds(scaling, ratios, whole)
 
 
 def plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:

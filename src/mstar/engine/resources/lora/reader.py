@@ -21,9 +21,10 @@ import torch
 
 from . import fingerprint
 from .experts import stacked_widths
+from .folds import Folds
 from .host_memory import HostBuffers
 from .layout import SlotLayout
-from .plan import Folds, Piece, Plan, Read, Stacked
+from .plan import Piece, Plan, Read, Stacked
 from .rows import Reads
 from .safetensors_header import TensorEntry
 from .source import Source, memory_at

@@ -30,11 +30,12 @@ from .check import (
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import adapter_digest, hash_runs, hash_stream
 from .digest import manifest as digest_manifest
+from .folds import Folds
 from .header_json import no_collection
 from .host_memory import HostBuffers
 from .layout import SlotLayout
 from .memory import tensor_checkpoint
-from .plan import Folds, Plan, host_bytes, plan
+from .plan import Plan, host_bytes, plan
 from .reader import Scatter, fingerprints, land, landed_runs, landing_ranges, lay_out, read_layout
 from .spec import LoraSpec
 
