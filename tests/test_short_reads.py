@@ -11,7 +11,7 @@ import torch
 from tiny import make_adapter, model_config
 
 from mstar.engine.resources.lora import LoraAdapterStore, check_adapter_file, specs_from_config
-from mstar.engine.resources.lora.source import FileSource
+from mstar.engine.resources.lora.source import FileSource, memory_at
 
 CONFIG = model_config("llama", num_attention_heads=8, num_key_value_heads=8, head_dim=8)
 SPEC = specs_from_config(CONFIG, max_rank=8)["language_model"]
@@ -92,3 +92,17 @@ def test_each_runs_total_is_its_parts_bytes(adapter, rank, world_size):
         p = plan(ckpt, LoraAdapterStore(SPEC, rank, world_size, pin=False).layout)
     runs = [run for b in (*p.batches, *p.staged_batches) for run in b]
     assert runs and all(total == sum(n for _, n in parts) for _, parts, total in runs)
+
+
+def test_empty_parts_of_empty_memory_are_read_as_nothing(tmp_path):
+    """A run's part may be empty, sliced from memory of no bytes (an empty staging buffer): read as nothing."""
+    file = tmp_path / "f.bin"
+    file.write_bytes(bytes(range(100)))
+    source = FileSource(file)
+    try:
+        out = memoryview(bytearray(4))
+        for views, nbytes in (([memory_at(0, 0)[0:0]], 0), ([out, memory_at(0, 0)], 4), ([memory_at(0, 0)], None)):
+            source.read_into(views, 10, nbytes)
+        assert bytes(out) == bytes(range(10, 14))
+    finally:
+        source.close()

@@ -168,8 +168,9 @@ class TensorSource:
 
 def memory_at(address: int, n: int) -> memoryview:
     """n bytes of memory at address as a plain view, written only by whoever the caller lets (the memory's
-    owner, which the caller holds, keeps it alive)."""
-    return memoryview((ctypes.c_char * n).from_address(address)).cast("B") if n else memoryview(b"")
+    owner, which the caller holds, keeps it alive). Writable even where n is 0: os.preadv refuses a read-only
+    buffer of any length, and a run may hold an empty part."""
+    return memoryview((ctypes.c_char * n).from_address(address)).cast("B") if n else memoryview(bytearray())
 
 
 def unreadable_memory(t: torch.Tensor) -> str | None:
