@@ -106,3 +106,17 @@ def test_empty_parts_of_empty_memory_are_read_as_nothing(tmp_path):
         assert bytes(out) == bytes(range(10, 14))
     finally:
         source.close()
+
+
+def test_a_read_the_system_refuses_is_a_value_error(tmp_path):
+    """os.preadv failing (here EINVAL: more views than one call takes; on a failing disk EIO) is a ValueError,
+    which the read's refusal names its adapter and file with, never an OSError out of the reader."""
+    file = tmp_path / "f.bin"
+    file.write_bytes(bytes(5000))
+    source = FileSource(file)
+    try:
+        views = [memoryview(bytearray(1)) for _ in range(os.sysconf("SC_IOV_MAX") + 1)]
+        with pytest.raises(ValueError, match=r"^unreadable at offset 7 \(Invalid argument\)$"):
+            source.read_into(views, 7)
+    finally:
+        source.close()

@@ -57,22 +57,28 @@ class FileSource:
 
     def read(self, nbytes: int, at: int) -> bytes:
         """nbytes from offset at, fewer only where the file ends first."""
-        first = os.pread(self.fd, nbytes, at)
-        if len(first) == nbytes or not first:  # the whole of it at once, as a regular file gives it
-            return first
-        out = bytearray(first)
-        while len(out) < nbytes:
-            got = os.pread(self.fd, nbytes - len(out), at + len(out))
-            if not got:
-                break
-            out += got
+        try:
+            first = os.pread(self.fd, nbytes, at)
+            if len(first) == nbytes or not first:  # the whole of it at once, as a regular file gives it
+                return first
+            out = bytearray(first)
+            while len(out) < nbytes:
+                got = os.pread(self.fd, nbytes - len(out), at + len(out))
+                if not got:
+                    break
+                out += got
+        except OSError as e:
+            raise ValueError(unreadable(e, at)) from None
         return bytes(out)
 
     def read_into(self, views: list[memoryview], at: int, nbytes: int | None = None) -> None:
         """Fill views, one after another, from offset at; ValueError if the file ends first (it was cut
         since it was opened). nbytes, their total where the caller knows it, lets a whole read (as a
         regular file gives one) return on one comparison: rank 3 of 8 reads in over a thousand calls."""
-        got = os.preadv(self.fd, views, at)
+        try:
+            got = os.preadv(self.fd, views, at)
+        except OSError as e:  # a disk's EIO, say: the read's refusal, naming its adapter and file
+            raise ValueError(unreadable(e, at)) from None
         if got != (sum(map(len, views)) if nbytes is None else nbytes):
             self._read_rest(views, at, got)
 
@@ -87,7 +93,10 @@ class FileSource:
                 return
             if got:
                 views[0] = views[0][got:]
-            got = os.preadv(self.fd, views, at)
+            try:
+                got = os.preadv(self.fd, views, at)
+            except OSError as e:
+                raise ValueError(unreadable(e, at)) from None
             if got == 0:
                 raise ValueError("the file ended early: it was cut or rewritten since its header was read")
 
@@ -164,6 +173,10 @@ class TensorSource:
 
     def unchanged(self) -> bool:
         return True
+
+
+def unreadable(e: OSError, at: int) -> str:
+    return f"unreadable at offset {at} ({e.strerror or e})"
 
 
 def memory_at(address: int, n: int) -> memoryview:

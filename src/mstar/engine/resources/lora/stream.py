@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import blake3
 
-from .source import FileSource
+from .source import FileSource, unreadable
 
 # Small enough that a block is hashed from the core's cache (2 MB of L2 here) right after it is copied there,
 # large enough that a read's system call is nothing beside it, and that the workers seldom wait on one
@@ -69,7 +69,10 @@ def stream_hash(source: FileSource, runs: list[tuple[int, int]], prefix: bytes, 
                 n -= trim
             hashed += n - lo
             view = buf[:n]
-            got = os.preadv(fd, [view], at)
+            try:
+                got = os.preadv(fd, [view], at)
+            except OSError as e:
+                raise ValueError(unreadable(e, at)) from None
             if got < n:  # the rest, or a refusal where the file ends
                 source.read_into([view[got:]], at + got)
             if lo:
