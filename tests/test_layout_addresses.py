@@ -12,6 +12,7 @@ from safetensors_files import data_start, header, load, metadata, write_by_hand
 from tiny import make_adapter, model_config
 
 from mstar.engine.resources.lora.checkpoint import open_checkpoint
+from mstar.engine.resources.lora.copies import Staged
 from mstar.engine.resources.lora.layout import ALIGN
 from mstar.engine.resources.lora.models import specs_from_config
 from mstar.engine.resources.lora.plan import SKEW, plan
@@ -155,4 +156,4 @@ def test_a_tensor_at_an_address_off_its_dtypes_alignment_is_read_as_its_values()
         buf = torch.zeros(values.nbytes + 8, dtype=torch.uint8)
         buf[at : at + values.nbytes] = values.view(-1).view(torch.uint8)
         entry = TensorEntry("F32", (3, 5), 0, values.nbytes)
-        assert torch.equal(typed(buf, at, entry), values), at
+        assert torch.equal(typed(buf, Staged(at, entry.nbytes, entry.torch_dtype, entry.shape)), values), at

@@ -7,17 +7,35 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+
+class FoldRow(NamedTuple):
+    """One B read whose module folds a ratio: rows b_to on of b[layer] of its target, its first r columns,
+    scaled from its rows staged at offset `at` (nbytes of dtype), or in place where `at` is -1."""
+
+    target: str
+    layer: int
+    b_to: int
+    height: int
+    r: int
+    at: int
+    nbytes: int
+    dtype: Any
+    ratio: float
 
 
 class Folds(NamedTuple):
     """The slots' scaling, and each module's own scaling as a ratio to it, folded into B in float32 before
     the cast: per module, or over a target's whole b where every module of it has one ratio and was
-    copied exactly."""
+    copied exactly. A plan adds the rows of the reads it folds (dense targets' staged B, B read in place),
+    so a read follows them without a look at the plan's table."""
 
     scaling: float
     ratios: dict[str, float]
     whole: dict[str, float]
+    staged_rows: tuple[FoldRow, ...] = ()
+    direct_rows: tuple[FoldRow, ...] = ()
 
 
 def node_scaling(scalings: Mapping[str, float], modules: Iterable[str]) -> float:

@@ -18,16 +18,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from .acyclic import untrack
 from .checkpoint import Checkpoint
+from .copies import Dense, Piece, Read, Stacked, StackedCopy, Staged, stacked_copy, staged_whole
 from .experts import checkpoint_orientations
-from .folds import Folds, fold
+from .folds import FoldRow, Folds, fold
 from .layout import SlotLayout
 from .rows import Batch, Reads, Table, batches, compile_table, skew
 from .safetensors_header import TensorEntry, torch_dtypes
-from .spec import Location, LoraSpec, LoraTarget, as_linear
+from .spec import Location, LoraSpec, as_linear
 
 if TYPE_CHECKING:
     import torch
@@ -45,57 +46,12 @@ SKEW = 64
 SHARD_ROW = 1024
 
 
-class Piece(NamedTuple):
-    """One factor of one module for one slice of one layer, cut to this rank: rows and columns of
-    the factor (as a linear's [rows, columns]) into rows of a[layer] or b[layer], columns 0 on."""
-
-    module: str
-    role: str  # "A" or "B"
-    entry: TensorEntry
-    rows: tuple[int, int]
-    columns: tuple[int, int]
-    target: str
-    layer: int
-    to_rows: tuple[int, int]
-
-
-class Read(NamedTuple):
-    """A piece's rows, contiguous in the file, and where preadv puts them: in the blocks (counted from
-    the first) or in the staging buffer."""
-
-    at: int
-    nbytes: int
-    to: int
-    piece: Piece | None  # None for a tensor staged whole
-
-
-class Dense(NamedTuple):
-    """A target whose B lies in the staging buffer as [layers, out_shard, rank], file dtype, from at."""
-
-    target: str
-    rank: int
-    at: int
-    dtype: torch.dtype
-
-
-class Stacked(NamedTuple):
-    """A module holding every expert's factors of one layer (experts.py), and which side of each expert A is on."""
-
-    module: str
-    A: TensorEntry
-    B: TensorEntry
-    target: str
-    layer: int
-    orientation: str
-
-    def rank(self, t: LoraTarget) -> int:
-        return self.A.shape[0] // t.experts.count
-
-
 @dataclass(frozen=True, eq=False)
 class Plan:
     """How one header's adapter is copied into one layout: the same for every file with that header, and
-    all a read needs to know, so that it follows the plan over any source without asking the checkpoint.
+    all a read needs to know, so that it follows the plan over any source without asking the checkpoint,
+    the spec or experts.py anything: the stacked modules' copies (StackedCopy), the tensors staged whole
+    (Staged), each staged read's width and, in its Folds, the rows each scaling folds into are worked out here.
     Its pieces are a Table's rows and its reads are columns (rows.py); only pieces staged one by one (cast,
     or B at a rank of its own where its target is not dense) and mapped ones are objects."""
 
@@ -118,23 +74,30 @@ class Plan:
     stacked: tuple[Stacked, ...] = ()  # every expert's factors in one pair, copied a layer at a time
     owners: tuple[tuple[str, str, bool], ...] = ()  # (module, its target, whether it is in the store's dtype)
     whole: tuple[tuple[TensorEntry, int], ...] = ()  # tensors staged whole (mapped pieces', stacked ones'), and where
+    stacked_copies: tuple[StackedCopy, ...] = ()
+    mapped_copies: tuple[tuple[Piece, Staged], ...] = ()  # each mapped piece and its tensor, staged whole
     _folds: dict = field(default_factory=dict, repr=False)
-
-    def staged_at(self) -> dict[int, int]:
-        """Where each tensor staged whole lies in the staging buffer, by its start in the file."""
-        return {e.start: at for e, at in self.whole}
-
-    def spread(self) -> list[Read]:
-        """The staged reads copied piece by piece: all but the B of dense targets."""
-        return list(self.spread_reads)
 
     @cached_property
     def staged(self) -> tuple[Read, ...]:
         """Every read of a piece into the staging buffer, as objects: dense targets' B, then the rest."""
         d = self.dense_reads
-        dense = [Read(at, n, to, _piece(self.table, i, "B")) for at, n, to, i in
-                 zip(*(c.tolist() for c in (d.at, d.nbytes, d.to, d.piece)), strict=True)]
+        pieces = [_piece(self.table, i, "B") for i in d.piece.tolist()]
+        dense = [Read(at, n, to, q, as_linear(q.entry.shape)[1]) for at, n, to, q in
+                 zip(d.at.tolist(), d.nbytes.tolist(), d.to.tolist(), pieces, strict=True)]
         return (*dense, *self.spread_reads)
+
+    def fold_rows(self, reads: Reads, ratios: Mapping[str, float], staged: bool) -> tuple[FoldRow, ...]:
+        """Each of reads (B's, of the table's rows) whose module folds its own scaling: where it lies, from the
+        staging buffer where staged, else in place."""
+        t, out = self.table, []
+        for j, ratio in self.module_ratios(reads, ratios):
+            i = int(reads.piece[j])
+            B = t.entries[int(t.module[i])][1]
+            out.append(FoldRow(t.names[int(t.target[i])], int(t.layer[i]), int(t.b_to[i]), int(t.b1[i] - t.b0[i]),
+                               int(t.r[i]), int(reads.to[j]) if staged else -1, int(reads.nbytes[j]),
+                               B.torch_dtype, ratio))
+        return tuple(out)
 
     def module_ratios(self, reads: Reads, ratios: Mapping[str, float]) -> list[tuple[int, float]]:
         """(read, ratio) for each of reads whose piece's module folds its own scaling by a ratio."""
@@ -189,7 +152,10 @@ class Plan:
         if key not in self._folds:
             if len(self._folds) > 64:
                 self._folds.clear()
-            self._folds[key] = fold(scalings, self.modules, self.owners)
+            folds = fold(scalings, self.modules, self.owners)
+            self._folds[key] = folds._replace(
+                staged_rows=self.fold_rows(self.dense_reads, folds.ratios, True),
+                direct_rows=self.fold_rows(self.direct.where(self.direct.role == 1), folds.ratios, False))
         self._folds["last"] = (scalings, self._folds[key])
         return self._folds[key]
 
@@ -262,10 +228,12 @@ def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
                                                      [r.to for r in spread]),
                                Reads.of([e.start for e, _ in whole_at], [e.nbytes for e, _ in whole_at],
                                         [at for _, at in whole_at])])
+    at = {e.start: a for e, a in whole_at}
     return Plan(layout, targets, SKEW + layout.nbytes(targets), skew(direct, item, SKEW), t, direct, dense_reads,
                 tuple(spread), tuple(dense), mapped, _batches(direct), _batches(staged_reads), staging, partial,
                 max(ranks, default=0), tuple(module for module, _, _, _ in placed), tuple(stacked),
-                _owners(placed, layout), tuple(whole_at))
+                _owners(placed, layout), tuple(whole_at), tuple(stacked_copy(st, layout, at) for st in stacked),
+                tuple((q, staged_whole(q.entry, at)) for q in mapped))
 
 
 def _owners(placed: list, layout: SlotLayout) -> tuple[tuple[str, str, bool], ...]:
@@ -391,7 +359,7 @@ def _stage(t: Table, a_staged: torch.Tensor, b_staged: torch.Tensor, dense: list
         size = p.entry.torch_dtype.itemsize * as_linear(p.entry.shape)[1]
         start = p.entry.start + p.rows[0] * size
         at = _place(at, start, p.entry.torch_dtype)
-        reads.append(Read(start, (p.rows[1] - p.rows[0]) * size, at, p))
+        reads.append(Read(start, (p.rows[1] - p.rows[0]) * size, at, p, as_linear(p.entry.shape)[1]))
         at += (p.rows[1] - p.rows[0]) * size
     whole_at = []
     for e in whole:

@@ -20,15 +20,11 @@ from typing import NamedTuple
 import torch
 
 from . import fingerprint
-from .experts import stacked_widths
-from .folds import Folds
+from .copies import Piece, Read, StackedCopy, Staged
+from .folds import FoldRow, Folds
 from .host_memory import HostBuffers
-from .layout import SlotLayout
-from .plan import Piece, Plan, Read, Stacked
-from .rows import Reads
-from .safetensors_header import TensorEntry
+from .plan import Plan
 from .source import Source, memory_at
-from .spec import as_linear
 
 READ_THREADS = min(4, os.cpu_count() or 1)
 _READERS = ThreadPoolExecutor(max(READ_THREADS - 1, 1), thread_name_prefix="mstar-lora-read")
@@ -122,31 +118,29 @@ def fingerprints(runs: list[list[LandedRun]]) -> tuple[int, ...]:
 def lay_out(p: Plan, landing: Landing, folds: Folds) -> dict[str, torch.Tensor]:
     """The staged bytes moved into their places (padded to max_rank, cut to a shard, cast, stacked experts
     spread), and each module's own scaling folded into its B, in float32 before the cast."""
-    layout, views, stage, ratios = p.layout, landing.views, landing.memory[1], folds.ratios
-    at = p.staged_at()
-    for st in p.stacked:
-        _copy_stacked(layout, views, st, typed(stage, at[st.A.start], st.A), typed(stage, at[st.B.start], st.B),
-                      ratios.get(st.module, 1.0))
-    for q in p.mapped:
-        _copy_piece(views, q, typed(stage, at[q.entry.start], q.entry)[q.rows[0] : q.rows[1]])
+    views, stage, ratios, R = landing.views, landing.memory[1], folds.ratios, p.layout.spec.max_rank
+    for c in p.stacked_copies:
+        _copy_stacked(views, c, typed(stage, c.A), typed(stage, c.B), ratios.get(c.module, 1.0), R)
+    for q, whole in p.mapped_copies:
+        _copy_piece(views, q, typed(stage, whole)[q.rows[0] : q.rows[1]])
     for d in p.dense:
         b = views[d.target][1]
         shape = (*b.shape[:-1], d.rank)
         _copy_rows(b[..., : d.rank], _typed_at(stage, d.at, math.prod(shape) * d.dtype.itemsize, d.dtype).view(shape))
-    for r in p.spread():
+    for r in p.spread_reads:
         _copy_piece(views, r.piece, _rows(stage, r))
     for r in p.spread_reads:
         if r.piece.role == "B" and r.piece.module in ratios:
             _fold(views, r.piece, _rows(stage, r), ratios[r.piece.module])
-    _fold_rows(p, views, p.dense_reads, ratios, stage)
-    _fold_rows(p, views, p.direct.where(p.direct.role == 1), ratios)
+    _fold_rows(views, folds.staged_rows, stage)
+    _fold_rows(views, folds.direct_rows)
     _fold_whole(views, folds.whole)
     return landing.blocks
 
 
-def typed(buf: torch.Tensor, at: int, e: TensorEntry) -> torch.Tensor:
-    """e's tensor as a linear's [rows, columns], from its bytes at offset at of the uint8 buf."""
-    return _typed_at(buf, at, e.nbytes, e.torch_dtype).view(as_linear(e.shape))
+def typed(buf: torch.Tensor, s: Staged) -> torch.Tensor:
+    """A tensor staged whole, as a linear's [rows, columns], from its bytes in the uint8 buf."""
+    return _typed_at(buf, s.at, s.nbytes, s.dtype).view(s.shape)
 
 
 def _typed_at(buf: torch.Tensor, at: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -166,45 +160,32 @@ def _fold_whole(views: Views, whole: dict[str, float]) -> None:
             b[layer].copy_(b[layer].float() * ratio)
 
 
-def _fold_rows(p: Plan, views: Views, reads: Reads, ratios: dict[str, float], stage: torch.Tensor | None = None,
-               ) -> None:
-    """A module's own scaling folded into the B reads of p copied, in float32 before the cast: from the staged
-    rows where stage is given, else from the exact copy in place."""
-    t = p.table
-    for j, ratio in p.module_ratios(reads, ratios):
-        i = int(reads.piece[j])
-        name, layer, b_to, height = t.names[int(t.target[i])], int(t.layer[i]), int(t.b_to[i]), int(t.b1[i] - t.b0[i])
-        r = int(t.r[i])
-        dst = views[name][1][layer, b_to : b_to + height, :r]
-        if stage is None:
-            src = dst
-        else:
-            B = t.entries[int(t.module[i])][1]
-            src = _typed_at(stage, int(reads.to[j]), int(reads.nbytes[j]), B.torch_dtype).view(-1, r)
-        dst.copy_(src.float() * ratio)
+def _fold_rows(views: Views, rows: tuple[FoldRow, ...], stage: torch.Tensor | None = None) -> None:
+    """A module's own scaling folded into the B reads the plan listed, in float32 before the cast: from the
+    staged rows where stage is given, else from the exact copy in place."""
+    for f in rows:
+        dst = views[f.target][1][f.layer, f.b_to : f.b_to + f.height, : f.r]
+        src = dst if stage is None else _typed_at(stage, f.at, f.nbytes, f.dtype).view(-1, f.r)
+        dst.copy_(src.float() * f.ratio)
 
 
-def _copy_stacked(layout: SlotLayout, views: Views, st: Stacked, A: torch.Tensor, B: torch.Tensor,
-                  ratio: float) -> None:
+def _copy_stacked(views: Views, c: StackedCopy, A: torch.Tensor, B: torch.Tensor, ratio: float, R: int) -> None:
     """A stacked module's every expert into its slices, a few copies a layer (experts.py says how A and B
     hold the experts): each expert's A into the rows of each of its slices, its B's rows of each slice,
     this rank's shard of them, into that slice's rows of b."""
-    tl = layout.targets[st.target]
-    t, R = tl.target, layout.spec.max_rank
-    count, (fan_in, fan_out) = t.experts.count, stacked_widths(t)
-    per, r = t.slices // count, st.rank(t)
-    if st.orientation == "A in":
-        down, up = A.reshape(count, r, fan_in), B.reshape(fan_out, r, count).permute(2, 0, 1)
+    count, per, r = c.count, c.per, c.r
+    if c.a_in:
+        down, up = A.reshape(count, r, c.fan_in), B.reshape(c.fan_out, r, count).permute(2, 0, 1)
     else:  # A on the output side: B's transpose is the input-side factor
-        down, up = B.reshape(fan_in, r, count).permute(2, 1, 0), A.reshape(count, r, fan_out).transpose(1, 2)
-    a, b = views[st.target]
-    a = a[st.layer].view(count, per, R, a.shape[-1])
-    b = b[st.layer].view(count, per, -1, R)
-    (c0, c1), width = tl.shard.columns, t.out_features[0]
+        down, up = B.reshape(c.fan_in, r, count).permute(2, 1, 0), A.reshape(count, r, c.fan_out).transpose(1, 2)
+    a, b = views[c.target]
+    a = a[c.layer].view(count, per, R, a.shape[-1])
+    b = b[c.layer].view(count, per, -1, R)
+    (c0, c1), width = c.columns, c.width
     for j in range(per):
         a[:, j, :r].copy_(down[:, :, c0:c1])
-        rows = up[:, j::per] if t.experts.interleaved else up[:, j * width : (j + 1) * width]
-        r0, r1 = tl.shard.rows[j]  # every expert's slice j shards alike
+        rows = up[:, j::per] if c.interleaved else up[:, j * width : (j + 1) * width]
+        r0, r1 = c.rows[j]  # every expert's slice j shards alike
         b[:, j, :, :r].copy_(rows[:, r0:r1] if ratio == 1.0 else rows[:, r0:r1].float() * ratio)
 
 
@@ -221,8 +202,7 @@ def _zero_padding(p: Plan, blocks: dict[str, torch.Tensor], views: Views, R: int
 
 def _rows(stage: torch.Tensor, r: Read) -> torch.Tensor:
     """A staged read's rows of its factor, as a linear's."""
-    e = r.piece.entry
-    return _typed_at(stage, r.to, r.nbytes, e.torch_dtype).view(-1, as_linear(e.shape)[1])
+    return _typed_at(stage, r.to, r.nbytes, r.piece.entry.torch_dtype).view(-1, r.width)
 
 
 def _destination(views: Views, q: Piece) -> torch.Tensor:
