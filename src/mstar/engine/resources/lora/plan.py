@@ -97,6 +97,7 @@ class Plan:
             out.append(FoldRow(t.names[int(t.target[i])], int(t.layer[i]), int(t.b_to[i]), int(t.b1[i] - t.b0[i]),
                                int(t.r[i]), int(reads.to[j]) if staged else -1, int(reads.nbytes[j]),
                                B.torch_dtype, ratio))
+        untrack(out)  # a name, numbers and a dtype: in no cycle (acyclic.py); a plan's folds keep one a module
         return tuple(out)
 
     def module_ratios(self, reads: Reads, ratios: Mapping[str, float]) -> list[tuple[int, float]]:
