@@ -44,6 +44,9 @@ SKEW = 64
 # A row target's A is cut by columns, so this rank's part of each of its rows lies apart from the next: a
 # row part at least this long is read alone (one preadv each), a shorter one with its whole tensor.
 SHARD_ROW = 1024
+# Distinct scalings whose Folds a plan keeps (one header read under many: files of one recipe, alphas their own).
+# Each holds its fold rows: about 2 MB for a per-expert Qwen3-MoE header whose experts fold, so at most ~32 MB.
+FOLDS_KEPT = 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,7 +154,7 @@ class Plan:
             return last[1]
         key = tuple(scalings[m] for m in self.modules)
         if key not in self._folds:
-            if len(self._folds) > 64:
+            if len(self._folds) > FOLDS_KEPT:
                 self._folds.clear()
             folds = fold(scalings, self.modules, self.owners)
             self._folds[key] = folds._replace(
