@@ -12,13 +12,12 @@ hashed under this one's manifest.
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 from collections.abc import Callable
 
 import blake3
 
-from .source import FileSource, unreadable
+from .source import FileSource
 
 # Small enough that a block is hashed from the core's cache (2 MB of L2 here) right after it is copied there,
 # large enough that a read's system call is nothing beside it, and that the workers seldom wait on one
@@ -58,7 +57,7 @@ def stream_hash(source: FileSource, runs: list[tuple[int, int]], prefix: bytes, 
         runs, skip = [(0, runs[0][1]), *runs[1:]], len(prefix)
     elif source.read(len(prefix), 0) != prefix:
         raise ValueError(HEADER_CHANGED)
-    buf, fd, hashed = thread_block(block), source.fd, 0
+    buf, hashed = thread_block(block), 0
     for start, stop in runs:
         at = start
         while at < stop:
@@ -69,12 +68,7 @@ def stream_hash(source: FileSource, runs: list[tuple[int, int]], prefix: bytes, 
                 n -= trim
             hashed += n - lo
             view = buf[:n]
-            try:
-                got = os.preadv(fd, [view], at)
-            except OSError as e:
-                raise ValueError(unreadable(e, at)) from None
-            if got < n:  # the rest, or a refusal where the file ends
-                source.read_into([view[got:]], at + got)
+            source.read_into([view], at, n)  # one preadv, or on from a short one; a refusal where the file ends
             if lo:
                 if view[:lo].tobytes() != prefix[at : at + lo]:
                     raise ValueError(HEADER_CHANGED)
