@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 
 class FoldRow(NamedTuple):
@@ -21,7 +24,7 @@ class FoldRow(NamedTuple):
     r: int
     at: int
     nbytes: int
-    dtype: Any
+    dtype: torch.dtype
     ratio: float
 
 

@@ -67,7 +67,6 @@ class Plan:
     dense_reads: Reads  # dense targets' B, into the staging buffer
     spread_reads: tuple[Read, ...]  # the other staged pieces, copied one by one
     dense: tuple[Dense, ...]
-    mapped: tuple[Piece, ...]
     batches: tuple[Batch, ...]  # direct reads
     staged_batches: tuple[Batch, ...]
     staging: int  # the staging buffer's bytes
@@ -234,7 +233,7 @@ def _plan(ckpt: Checkpoint, layout: SlotLayout) -> Plan:
                                         [at for _, at in whole_at])])
     at = {e.start: a for e, a in whole_at}
     return Plan(layout, targets, SKEW + layout.nbytes(targets), skew(direct, item, SKEW), t, direct, dense_reads,
-                tuple(spread), tuple(dense), mapped, _batches(direct), _batches(staged_reads), staging, partial,
+                tuple(spread), tuple(dense), _batches(direct), _batches(staged_reads), staging, partial,
                 max(ranks, default=0), tuple(module for module, _, _, _ in placed), tuple(stacked),
                 _owners(placed, layout), tuple(whole_at), tuple(stacked_copy(st, layout, at) for st in stacked),
                 tuple((q, staged_whole(q.entry, at)) for q in mapped))
