@@ -16,7 +16,14 @@ from tiny import make_adapter, model_config
 
 from mstar.engine.resources.lora import header_json
 from mstar.engine.resources.lora.models import specs_from_config
-from mstar.engine.resources.lora.safetensors_header import MAX_HEADER_BYTES, Header, parse_header, read_header
+from mstar.engine.resources.lora.safetensors_header import (
+    MAX_HEADER_BYTES,
+    Header,
+    _entry,
+    _well_formed,
+    parse_header,
+    read_header,
+)
 from mstar.engine.resources.lora.store import check_adapter_file
 
 
@@ -57,6 +64,10 @@ CORRUPT = {
     "boolean shape": (lambda: raw_file({"a": entry(shape=(True,), offsets=(0, 4))}, b"\0" * 4), "list of sizes"),
     "boolean offsets": (lambda: raw_file({"a": entry(shape=(1,), offsets=(False, True))}, b"\0"), "data_offsets"),
     "fractional shape": (lambda: raw_file({"a": entry(shape=(1.0,), offsets=(0, 4))}, b"\0" * 4), "list of sizes"),
+    "a boolean offset that spans the size": (lambda: raw_file({"a": entry("U8", (1,), (False, 1))}, b"\0"),
+                                             "data_offsets"),
+    "a fractional offset that spans the size": (lambda: raw_file({"a": entry(offsets=(0.0, 8))}, b"\0" * 8),
+                                                "data_offsets"),
     "oversized header": (lambda: struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}", "over the 104857600-byte limit"),
     "too short": (lambda: b"\x01\x02", "too short"),
     "trailing bytes": (lambda: raw_file({"a": entry()}, b"\0" * 9), "short of the file's 9 data bytes"),
@@ -149,6 +160,42 @@ def outcome(data: bytes) -> object:
     except ValueError as e:
         return ("refused", str(e))
     return (h.tensors, h.metadata, h.data_start)
+
+
+# entries of every kind the one pass could confuse: sizes of ints, bools and floats, shapes of one size and
+# dimension count (a 2 x 4 and a 4 x 2), offsets of every type, and whole values of any JSON
+sizes = st.integers(-1, 4) | st.booleans() | st.sampled_from([0.0, 1.0, 2.0, 2.5, "2", None])
+tricky = st.fixed_dictionaries({
+    "dtype": st.sampled_from(["F32", "BF16", "U8", "X", 1]),
+    "shape": st.lists(sizes, max_size=3),
+    "data_offsets": st.lists(st.integers(-1, 40) | st.sampled_from([0.0, 8.0, False, True]), min_size=1,
+                             max_size=3),
+})
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.dictionaries(st.text(max_size=3), tricky | entries | json_values, min_size=1, max_size=6), st.integers(0, 9))
+def test_the_one_pass_reads_each_entry_as_its_own_check_does(raw, data_start):
+    """The fast pass over every entry gives what _entry gives each entry on its own, or gives up (then _entry
+    names the reason); it never accepts what _entry refuses, nor reads one entry as another's shape."""
+    fast = _well_formed(raw, data_start)
+    try:
+        want = {name: _entry(name, value, data_start) for name, value in raw.items()}
+    except ValueError:
+        assert fast is None
+        return
+    if fast is not None:
+        assert fast == want
+        assert [type(d) for e in fast.values() for d in (*e.shape, e.start, e.stop)] == [
+            int for e in want.values() for _ in (*e.shape, e.start, e.stop)]
+
+
+def test_tensors_of_one_size_keep_their_own_shapes():
+    """An A of [2, 4] and a B of [4, 2] (a square module's factors at r = 2) are the same size, one dtype."""
+    data = raw_file({"a": entry(shape=(2, 4), offsets=(0, 32)), "b": entry(shape=(4, 2), offsets=(32, 64))},
+                    b"\0" * 64)
+    h = parse_header(data, len(data))
+    assert (h.tensors["a"].shape, h.tensors["b"].shape) == ((2, 4), (4, 2))
 
 
 @settings(max_examples=300, deadline=None)

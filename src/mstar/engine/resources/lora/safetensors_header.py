@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import chain
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import blake3
@@ -178,9 +177,9 @@ def _parse(text: bytes, head: bytes, file_size: int, fast: bool = True) -> Heade
 
 
 def _entries(raw: dict[str, object], data_start: int) -> dict[str, TensorEntry]:
-    """Every entry checked as _entry checks one, in a few passes over them all at C speed where all are well
-    formed (each distinct dtype and shape sized once); where one is not, _entry finds it and says why."""
-    fast = _well_formed(list(raw), list(raw.values()), data_start)
+    """Every entry checked as _entry checks one, in one pass over them all where all are well formed (each
+    distinct dtype and shape sized once); where one is not, _entry finds it and says why."""
+    fast = _well_formed(raw, data_start)
     if fast is not None:
         return fast
     entries = {name: _entry(name, value, data_start) for name, value in raw.items()}
@@ -188,41 +187,48 @@ def _entries(raw: dict[str, object], data_start: int) -> dict[str, TensorEntry]:
     return entries
 
 
-def _well_formed(names: list[str], values: list, data_start: int) -> dict[str, TensorEntry] | None:
-    if not values:
+def _well_formed(raw: dict[str, object], data_start: int) -> dict[str, TensorEntry] | None:
+    """_entry's entries where every one is well formed, else None: one pass over the entries (a per-expert
+    header's tens of thousands are scattered objects, and each pass over them all is a walk through memory
+    that costs more than the work done on the way), each distinct (dtype, *shape) checked and sized once,
+    then the sizes' and offsets' types checked over two flat lists at C speed. The types are checked there
+    and not by the sizes' cache: True == 1 == 1.0 as keys, so a bool or a float for a size would pass for an
+    int that came first."""
+    if not raw:
         return {}
-    if set(map(type, values)) != {dict} or set(map(len, values)) != {3} or max(map(len, names)) > MAX_NAME:
-        return None
+    kinds: dict[tuple, tuple[int, tuple[int, ...]]] = {}
+    out, shapes, offsets = {}, [], []
+    make, add_shape, add_offsets = tuple.__new__, shapes.append, offsets.append
     try:
-        dtypes = [v["dtype"] for v in values]
-        shapes = [v["shape"] for v in values]
-        offsets = [v["data_offsets"] for v in values]
-    except KeyError:
+        for name, v in raw.items():
+            if type(v) is not dict or len(v) != 3 or len(name) > MAX_NAME:
+                return None
+            dtype, shape, bounds = v["dtype"], v["shape"], v["data_offsets"]
+            if type(shape) is not list or type(bounds) is not list or len(bounds) != 2:
+                return None
+            add_shape(shape)
+            add_offsets(bounds)
+            key = (dtype, *shape)
+            kind = kinds.get(key)
+            if kind is None:
+                if type(dtype) is not str or dtype not in ITEMSIZES:
+                    return None
+                kind = kinds[key] = (ITEMSIZES[dtype] * math.prod(shape), tuple(shape))
+            begin, end = bounds
+            if end - begin != kind[0] or begin < 0:
+                return None
+            # tuple.__new__ makes the entry in C; TensorEntry's own __new__ is a Python call a tensor
+            out[name] = make(TensorEntry, (dtype, kind[1], data_start + begin, data_start + end))
+    except (KeyError, TypeError):  # a key missing, a value unhashable or of no arithmetic
         return None
-    if set(map(type, dtypes)) != {str} or not set(dtypes) <= ITEMSIZES.keys():
-        return None
-    if set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
-        return None
-    dims, bounds = list(chain.from_iterable(shapes)), list(chain.from_iterable(offsets))
     # types compared, not tested with isinstance: True == 1, so a bool would pass for a size
-    if dims and (set(map(type, dims)) != {int} or min(dims) < 0):
+    if set(map(type, chain.from_iterable(shapes))) - {int} or min(chain.from_iterable(shapes), default=0) < 0:
         return None
-    if set(map(type, bounds)) != {int} or min(bounds) < 0:
+    if set(map(type, chain.from_iterable(offsets))) != {int}:
         return None
-    shapes = list(map(tuple, shapes))
-    one = dict(zip(shapes, shapes, strict=True))  # each distinct shape one tuple, shared by its entries
-    shapes = list(map(one.__getitem__, shapes))
-    untrack(one.values())
-    kinds = list(zip(dtypes, shapes, strict=True))
-    sizes = {k: ITEMSIZES[k[0]] * math.prod(k[1]) for k in set(kinds)}
-    begins, ends = bounds[0::2], bounds[1::2]
-    if list(map(operator.sub, ends, begins)) != list(map(sizes.__getitem__, kinds)):
-        return None
-    starts, stops = map(data_start.__add__, begins), map(data_start.__add__, ends)
-    # tuple.__new__ makes each entry in C; TensorEntry's own __new__ is a Python call a tensor
-    entries = list(map(tuple.__new__, repeat(TensorEntry), zip(dtypes, shapes, starts, stops, strict=True)))
-    untrack(entries)  # a str, sizes and ints: in no cycle, so out of the collector's passes (acyclic.py)
-    return dict(zip(names, entries, strict=True))
+    untrack(kind[1] for kind in kinds.values())
+    untrack(out.values())  # a str, sizes and ints: in no cycle, so out of the collector's passes (acyclic.py)
+    return out
 
 
 def _entry(name: str, value: object, data_start: int) -> TensorEntry:
