@@ -57,7 +57,7 @@ def stacked_adapter(tmp: Path, family: str, name: str = "ad", seed: int = 1, con
 
 
 def per_expert_adapter(tmp: Path, family: str, name: str = "pe", experts=range(EXPERTS), r: int = 2,
-                       alpha: float = 4, seed: int = 2, layers: int | None = None,
+                       alpha: float = 4, seed: int = 2, layers: int | None = None, inter: int = INTER,
                        ) -> tuple[dict[str, torch.Tensor], Path]:
     """A per-expert adapter as PEFT saved one on transformers 4's expert modules (written out here: those
     modules no longer exist to train on), on the family's layers unless told."""
@@ -67,7 +67,7 @@ def per_expert_adapter(tmp: Path, family: str, name: str = "pe", experts=range(E
     tensors = {}
     for layer in range(layers or CONFIGS[family]["num_hidden_layers"]):
         for e in experts:
-            for proj, fan_in, fan_out in ((gate, hidden, INTER), (up, hidden, INTER), (down, INTER, hidden)):
+            for proj, fan_in, fan_out in ((gate, hidden, inter), (up, hidden, inter), (down, inter, hidden)):
                 key = f"base_model.model.model.layers.{layer}.{prefix.format(e=e)}{proj}"
                 tensors[f"{key}.lora_A.weight"] = torch.randn(r, fan_in, generator=g) * 0.3
                 tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, r, generator=g) * 0.3

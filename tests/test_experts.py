@@ -3,6 +3,7 @@ PEFT has written, and what cannot be read for sure is refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from types import SimpleNamespace
@@ -276,3 +277,37 @@ def test_a_manager_serves_experts_at_their_own_max_rank(tmp_path):
             assert_deltas(in_slot, pool.spec, *peft_expert_deltas(pm, "qwen3_moe", layer), layer, f"layer {layer}")
     finally:
         manager.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_one_node_may_hold_the_experts_beside_plain_targets(tmp_path, family):
+    """A spec of a user's own that puts attention and the stacked experts in one node: the experts are oriented
+    and laid out as in the experts node, q_proj (no slice, on a target with no experts) as in the language model's,
+    byte for byte (o_proj, a target of one slice, locates with none, as the stacked experts do)."""
+    _, path = stacked_adapter(tmp_path, family, target_modules=["q_proj", "o_proj"])
+    s = specs(family, max_rank=4)
+    lm, ex = s["language_model"], s["experts"]
+    both = dataclasses.replace(ex, targets={**lm.targets, **ex.targets}, patterns=(*lm.patterns, *ex.patterns),
+                               name="both")
+    alone = {n: LoraAdapterStore(n_spec, pin=False, dtype=torch.float32).read("ad", path)
+             for n, n_spec in (("lm", lm), ("ex", ex))}
+    joint = LoraAdapterStore(both, pin=False, dtype=torch.float32).read("ad", path)
+    assert set(joint.a) == set(alone["lm"].a) | set(alone["ex"].a) and set(alone["lm"].a) and set(alone["ex"].a)
+    for node in alone.values():
+        for t in node.a:
+            torch.testing.assert_close(joint.a[t], node.a[t], rtol=0, atol=0, msg=t)
+            torch.testing.assert_close(joint.b[t] * joint.scaling, node.b[t] * node.scaling, msg=t)
+
+
+def test_square_per_expert_modules_at_a_rank_of_the_expert_count_are_no_stacked_ones(tmp_path):
+    """Each down_proj expert of a square model (inputs as many as outputs) at r = the expert count has factors
+    [4, 32] / [32, 4], which would fit the stacked experts either way round: they name their expert, so they are
+    read as the per-expert modules they are, not refused as a stacked pair whose side nothing shows."""
+    tensors, path = per_expert_adapter(tmp_path, "qwen3_moe", r=EXPERTS, alpha=8, inter=32)
+    spec, adapter = read("qwen3_moe", path, moe_intermediate_size=32)
+    for layer in range(2):
+        _, down = pool_expert_deltas(adapter, spec, layer)
+        for e in range(EXPERTS):
+            key = f"base_model.model.model.layers.{layer}.mlp.experts.{e}.down_proj"
+            want = 2.0 * tensors[f"{key}.lora_B.weight"] @ tensors[f"{key}.lora_A.weight"]
+            torch.testing.assert_close(down[e], want, msg=f"layer {layer} expert {e}")

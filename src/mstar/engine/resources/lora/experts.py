@@ -75,15 +75,22 @@ def checkpoint_orientations(spec: LoraSpec, ckpt: Checkpoint) -> dict[str, Orien
 def stacked_orientations(spec: LoraSpec, modules: Mapping[str, ModuleKeys]) -> dict[str, Orientation | str]:
     """Which side of each expert A sits on, for every stacked module of spec's among modules (a checkpoint's),
     or why that cannot be told. A function of the shapes and the spec alone, so one header reads one way."""
+    stacking = {n for n, t in spec.targets.items() if t.experts is not None}
+    if not stacking:
+        return {}
+    names = list(modules)
+    # the few modules on an expert target with no slice, found in one pass over their locations (a per-expert
+    # file's tens of thousands of modules each name their expert, a slice, and are none of them)
+    stacked = [(m, loc) for m, loc in zip(names, spec.locate_all(names), strict=True)
+               if loc is not None and loc.slice is None and loc.target in stacking]
     fits = {}
-    for module, keys in modules.items():
-        loc = spec.locate(module)
-        a, b = keys.roles.get("A"), keys.roles.get("B")
-        if loc is None or a is None or b is None:
+    for module, loc in stacked:
+        roles = modules[module].roles
+        a, b = roles.get("A"), roles.get("B")
+        if a is None or b is None:
             continue
         t = spec.targets[loc.target]
-        if t.experts is not None and loc.slice is None:
-            fits[module] = (t, orientations(t, a.shape, b.shape))
+        fits[module] = (t, orientations(t, a.shape, b.shape))
     shown = {ways[0] for _, ways in fits.values() if len(ways) == 1}
     out: dict[str, Orientation | str] = {}
     for module, (t, ways) in fits.items():

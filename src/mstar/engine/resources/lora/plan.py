@@ -17,7 +17,8 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import chain
+from itertools import chain, compress, repeat
+from operator import attrgetter, is_not, methodcaller
 from typing import TYPE_CHECKING
 
 from .acyclic import untrack
@@ -194,12 +195,15 @@ def placed_modules(ckpt: Checkpoint, spec: LoraSpec) -> list[tuple[str, Location
     key = ("placed", spec)
     memo = ckpt.header.memo
     if key not in memo:
-        locate = spec.locate
-        placed = []
-        for module, keys in sorted(ckpt.modules(spec.convert_keys).items()):
-            loc = locate(module)
-            if loc is not None:
-                placed.append((module, loc, keys.roles.get("A"), keys.roles.get("B")))
+        modules = ckpt.modules(spec.convert_keys)
+        names = sorted(modules)
+        locs = spec.locate_all(names)
+        mask = list(map(is_not, locs, repeat(None)))
+        names = list(compress(names, mask))
+        roles = list(map(attrgetter("roles"), map(modules.__getitem__, names)))
+        # in passes over whole columns: tens of thousands of modules in a per-expert file
+        placed = list(zip(names, compress(locs, mask), map(methodcaller("get", "A"), roles),
+                          map(methodcaller("get", "B"), roles), strict=True))
         if set(map(type, chain.from_iterable(p[2:] for p in placed))) <= {TensorEntry, type(None)}:
             untrack(placed)  # names, Locations and entries: in no cycle (acyclic.py)
         memo[key] = placed

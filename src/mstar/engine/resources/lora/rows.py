@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from operator import itemgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 from .acyclic import untrack
@@ -103,10 +104,10 @@ def compile_table(placed: Sequence[tuple[str, tuple[str, int, object], TensorEnt
                "r": of[:, 1], "cols": of[:, 2], "c0": cut[:, 0], "c1": cut[:, 1], "b0": cut[:, 2], "b1": cut[:, 3],
                "a_to": cut[:, 4], "b_to": cut[:, 5], "a_start": torch.tensor(a_starts, dtype=torch.int64)[rows],
                "b_start": torch.tensor(b_starts, dtype=torch.int64)[rows], "exact": of[:, 3].bool()}
-    entries = tuple((A, B) for _, _, A, B in placed)
+    entries = tuple(zip(map(itemgetter(2), placed), map(itemgetter(3), placed), strict=True))
     if set(map(type, chain.from_iterable(entries))) <= {TensorEntry}:
         untrack(entries)  # pairs of entries: in no cycle, out of the collector's passes (acyclic.py)
-    return Table(names, tuple(m for m, _, _, _ in placed), entries, columns)
+    return Table(names, tuple(map(itemgetter(0), placed)), entries, columns)
 
 
 def _cuts(tl: TargetLayout, s_: object) -> tuple[tuple[int, int, int, int, int, int], ...]:
