@@ -18,7 +18,8 @@ from mstar.engine.resources.lora import check_adapter_file, specs_from_config
 from mstar.engine.resources.lora.check import _VOCAB_MODULES, _walk, check_adapter_tensors, misfit_at
 from mstar.engine.resources.lora.checkpoint import open_checkpoint
 from mstar.engine.resources.lora.experts import checkpoint_orientations
-from mstar.engine.resources.lora.inspect_columns import plain_header, plain_info
+from mstar.engine.resources.lora.inspect_columns import plain_header, plain_info, plain_pairs
+from mstar.engine.resources.lora.keys import group_keys, peft_keys
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,10 @@ def _nodes():
 def _columns(spec, ckpt):
     """The column pass's answer for ckpt (None where it leaves the header to the walk), and the walk's."""
     modules = ckpt.modules(spec.convert_keys)
-    plain = plain_info(spec, modules, attrgetter("shape"), _VOCAB_MODULES, misfit_at)
+    pairs = plain_pairs(modules, _VOCAB_MODULES)
+    # taken from group_keys' columns (keys.Grouped.ab) where it found them, or from every module's roles: alike
+    assert pairs == plain_pairs(dict(modules), _VOCAB_MODULES)
+    plain = plain_info(spec, pairs, attrgetter("shape"), misfit_at)
     walked = _walk(spec, modules, attrgetter("shape"), ckpt.config)
     if plain is None:
         return None, walked
@@ -129,3 +133,15 @@ def test_a_module_saved_under_two_spellings_each_a_pair_is_refused(variants, tmp
     nodes = _nodes()
     with pytest.raises(ValueError, match=rf"module {re.escape(ODD)}\.down_proj: two keys read as its A"):
         check_adapter_file(nodes[0], "spelled", tmp_path / "spelled", nodes[1:])
+
+
+@pytest.mark.parametrize(("keys", "ab"), [
+    (["m.lora_A.weight", "m.lora_B.weight", "n.lora_A.weight", "n.lora_B.weight"], (["m", "n"], [0, 2], [1, 3])),
+    (["m.lora_B.weight", "m.lora_A.weight"], None),  # a B listed first: grouped, but not taken by slicing
+    (["m.alpha", "m.lora_A.weight"], None),  # two by two, but an alpha and an A
+    (["m.lora_A.weight", "m.lora_A.default.weight"], None),  # one role twice: no pairs at all
+])
+def test_group_keys_takes_columns_only_where_every_module_is_an_a_then_a_b(keys, ab):
+    grouped = group_keys({k: i for i, k in enumerate(keys)}, peft_keys)
+    assert getattr(grouped, "ab", None) == ab
+    assert (plain_pairs(grouped, _VOCAB_MODULES) is None) == (plain_pairs(dict(grouped), _VOCAB_MODULES) is None)

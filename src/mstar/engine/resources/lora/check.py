@@ -15,8 +15,8 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .digest import HASH_ON_EVERY_CORE, adapter_digest, file_digest, streams_from_file
 from .experts import checkpoint_orientations, stacked_misfit
 from .header_json import no_collection
-from .inspect_columns import module_rank, plain_header, plain_info
-from .keys import ROLE_REASONS, SERVED_ROLES, ModuleKeys, group_keys
+from .inspect_columns import Pairs, module_rank, plain_header, plain_info, plain_pairs
+from .keys import ROLE_REASONS, SERVED_ROLES, ConvertKeys, ModuleKeys, group_keys
 from .spec import AdapterInfo, Location, LoraSpec, as_linear, canonical_index
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ def _inspect(spec: LoraSpec, modules: dict[str, ModuleKeys], shape: Callable[[An
     """inspect_keys over modules already grouped, whose role values give their shape through shape, under
     config where there is one: in passes over columns where every module is a plain pair that fits, else
     module by module."""
-    plain = plain_info(spec, modules, shape, _VOCAB_MODULES, misfit_at)
+    plain = plain_info(spec, plain_pairs(modules, _VOCAB_MODULES), shape, misfit_at)
     return plain.info if plain is not None else _walk(spec, modules, shape, config)
 
 
@@ -177,9 +177,19 @@ def inspect_checkpoint(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
     return memo[key]
 
 
+def header_pairs(ckpt: Checkpoint, convert_keys: ConvertKeys) -> Pairs | None:
+    """plain_pairs of the checkpoint's modules as convert_keys reads them: once per header and conversion, for
+    every node that inspects it."""
+    key = ("pairs", convert_keys)
+    memo = ckpt.header.memo
+    if key not in memo:
+        memo[key] = plain_pairs(ckpt.modules(convert_keys), _VOCAB_MODULES)
+    return memo[key]
+
+
 def _inspect_header(spec: LoraSpec, ckpt: Checkpoint) -> AdapterInfo:
     modules, config = ckpt.modules(spec.convert_keys), ckpt.config
-    plain = plain_info(spec, modules, attrgetter("shape"), _VOCAB_MODULES, misfit_at)
+    plain = plain_info(spec, header_pairs(ckpt, spec.convert_keys), attrgetter("shape"), misfit_at)
     info = plain.info if plain is not None else _walk(spec, modules, attrgetter("shape"), config)
     ways = checkpoint_orientations(spec, ckpt)
     rules = ckpt.module_rules(spec.convert_keys)

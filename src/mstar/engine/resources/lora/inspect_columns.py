@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from itertools import compress, repeat
-from operator import attrgetter, contains, is_not, itemgetter, methodcaller, not_
+from operator import attrgetter, eq, is_not, itemgetter, methodcaller, not_
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .spec import AdapterInfo, Location, LoraSpec
@@ -24,6 +24,16 @@ _FLOATS = frozenset({"F32", "F16", "BF16"})
 _ORIENTED = frozenset({"A in", "A out"})
 
 
+class Pairs(NamedTuple):
+    """Modules every one of which holds exactly an A and a B under keys of their own, none on the vocabulary,
+    as columns: their names (in the modules' order) and their A's and B's values. A function of the header and
+    its key conversion alone, so every node inspecting one header shares it."""
+
+    names: list[str]
+    a: list[Any]
+    b: list[Any]
+
+
 class Plain(NamedTuple):
     """A plain header's inspection, and its placed modules' columns: names, places and A's and B's values."""
 
@@ -34,25 +44,41 @@ class Plain(NamedTuple):
     b: list[Any]
 
 
-def plain_info(spec: LoraSpec, modules: Mapping[str, ModuleKeys], shape: Callable[[Any], tuple[int, ...]],
-               vocab: tuple[str, ...], judge: Callable[..., str | None]) -> Plain | None:
-    """check._inspect's answer where every module holds exactly an A and a B under keys of their own, none
-    on the vocabulary (its names, vocab, as a module or a dotted ending) and none misfits (judge, misfit_at,
-    says so of each distinct place and shapes) or fills weights another fills; None otherwise."""
-    names = list(modules)
-    keys = list(map(modules.__getitem__, names))
-    roles = list(map(attrgetter("roles"), keys))
-    if any(map(attrgetter("doubled"), keys)) or set(map(len, roles)) - {2}:
-        return None
-    if not all(map(contains, roles, repeat("A"))) or not all(map(contains, roles, repeat("B"))):
-        return None
+_AB = frozenset({"A", "B"})
+
+
+def plain_pairs(modules: Mapping[str, ModuleKeys], vocab: tuple[str, ...]) -> Pairs | None:
+    """modules as Pairs where every one is a plain pair off the vocabulary (its names, vocab, as a module or a
+    dotted ending); None otherwise. Taken as group_keys found them where it did (keys.Grouped.ab), else from
+    each module's roles."""
+    ab = getattr(modules, "ab", None)
+    if ab is not None:
+        names, a, b = ab
+    else:
+        names, keys = list(modules), list(modules.values())
+        if any(map(attrgetter("doubled"), keys)):
+            return None
+        roles = list(map(attrgetter("roles"), keys))
+        if not all(map(eq, repeat(_AB), map(dict.keys, roles))):  # exactly A and B: a set against each's keys
+            return None
+        a, b = list(map(itemgetter("A"), roles)), list(map(itemgetter("B"), roles))
     ending = tuple(f".{m}" for m in vocab)
     if any(map(methodcaller("endswith", ending), names)) or not set(vocab).isdisjoint(names):
         return None
+    return Pairs(names, a, b)
+
+
+def plain_info(spec: LoraSpec, pairs: Pairs | None, shape: Callable[[Any], tuple[int, ...]],
+               judge: Callable[..., str | None]) -> Plain | None:
+    """check._inspect's answer where the modules are plain pairs (pairs, not None) and none misfits (judge,
+    misfit_at, says so of each distinct place and shapes) or fills weights another fills; None otherwise."""
+    if pairs is None:
+        return None
+    names = pairs.names
     locs = spec.locate_all(names)
     mask = list(map(is_not, locs, repeat(None)))
     placed = list(compress(locs, mask))
-    a, b = list(map(itemgetter("A"), compress(roles, mask))), list(map(itemgetter("B"), compress(roles, mask)))
+    a, b = list(compress(pairs.a, mask)), list(compress(pairs.b, mask))
     kinds = set(zip(map(attrgetter("target", "slice"), placed), map(tuple, map(shape, a)),
                     map(tuple, map(shape, b)), strict=True))
     if not _fit(spec, placed, kinds, judge) or not _apart(spec, placed):

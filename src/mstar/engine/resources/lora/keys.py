@@ -108,11 +108,19 @@ class ModuleKeys(NamedTuple):
     doubled: tuple[tuple[str, str], ...] = ()  # (role, key)
 
 
+class Grouped(dict):
+    """group_keys' answer, module -> ModuleKeys; ab, where every module is an A then a B under keys of their
+    own (as PEFT and safetensors write them), the same as columns: the modules and their A's and B's values,
+    taken from the key list by slicing, so an inspection of tens of thousands of modules need not walk them."""
+
+    ab: tuple[list[str], list[Any], list[Any]] | None = None
+
+
 def group_keys(values: Mapping[str, Any], convert_keys: ConvertKeys) -> dict[str, ModuleKeys]:
     """values (by checkpoint key) grouped by module and role, as convert_keys reads the keys."""
     keys = list(values)
     read = convert_keys(keys)
-    paired = _paired(list(map(read.__getitem__, keys)), list(map(values.__getitem__, keys)))
+    paired = _paired(list(map(read.__getitem__, keys)), list(values.values()))
     if paired is not None:
         return paired
     roles: dict[str, dict[str, Any]] = {}
@@ -138,4 +146,7 @@ def _paired(read: list[tuple[str, str]], values: list[Any]) -> dict[str, ModuleK
     a, b = zip(roles[0::2], values[0::2], strict=True), zip(roles[1::2], values[1::2], strict=True)
     pairs = map(dict, zip(a, b, strict=True))
     # tuple.__new__ makes each ModuleKeys in C: its own __new__ is a Python call a module
-    return dict(zip(firsts, map(tuple.__new__, repeat(ModuleKeys), zip(pairs, repeat(()))), strict=True))
+    out = Grouped(zip(firsts, map(tuple.__new__, repeat(ModuleKeys), zip(pairs, repeat(()))), strict=True))
+    if roles[0::2] == ["A"] * len(firsts) and roles[1::2] == ["B"] * len(firsts):
+        out.ab = (firsts, values[0::2], values[1::2])
+    return out
