@@ -185,7 +185,11 @@ def test_the_one_pass_reads_each_entry_as_its_own_check_does(raw, data_start):
         assert fast is None
         return
     if fast is not None:
+        fast, end = fast
         assert fast == want
+        ends = [e.stop - data_start for e in want.values()]
+        in_order = [e.start - data_start for e in want.values()] == [0, *ends[:-1]]
+        assert end == (ends[-1] if in_order else -1)
         assert [type(d) for e in fast.values() for d in (*e.shape, e.start, e.stop)] == [
             int for e in want.values() for _ in (*e.shape, e.start, e.stop)]
 

@@ -225,8 +225,11 @@ class Checkpoint:
     def _alpha_entries(self, convert_keys: ConvertKeys) -> dict[str, TensorEntry]:
         key = ("alphas", convert_keys)
         if key not in self.header.memo:
-            modules = self.modules(convert_keys).items()
-            self.header.memo[key] = {m: keys.roles["alpha"] for m, keys in modules if "alpha" in keys.roles}
+            modules = self.modules(convert_keys)
+            if getattr(modules, "ab", None) is not None:  # every module exactly an A and a B (keys.Grouped)
+                self.header.memo[key] = {}
+            else:
+                self.header.memo[key] = {m: k.roles["alpha"] for m, k in modules.items() if "alpha" in k.roles}
         return self.header.memo[key]
 
     def _alphas(self, convert_keys: ConvertKeys) -> dict[str, float]:

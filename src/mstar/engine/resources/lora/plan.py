@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain, compress, repeat
-from operator import attrgetter, is_not, methodcaller
+from operator import attrgetter, is_not, itemgetter, methodcaller
 from typing import TYPE_CHECKING
 
 from .acyclic import untrack
@@ -199,12 +199,15 @@ def placed_modules(ckpt: Checkpoint, spec: LoraSpec) -> list[tuple[str, Location
         names = sorted(modules)
         locs = spec.locate_all(names)
         mask = list(map(is_not, locs, repeat(None)))
-        names = list(compress(names, mask))
-        roles = list(map(attrgetter("roles"), map(modules.__getitem__, names)))
+        ab = getattr(modules, "ab", None)
         # in passes over whole columns: tens of thousands of modules in a per-expert file
-        placed = list(zip(names, compress(locs, mask), map(methodcaller("get", "A"), roles),
-                          map(methodcaller("get", "B"), roles), strict=True))
-        if set(map(type, chain.from_iterable(p[2:] for p in placed))) <= {TensorEntry, type(None)}:
+        if ab is not None and ab[0] == names:  # every module an A and a B, listed by name (as safetensors writes)
+            a, b = compress(ab[1], mask), compress(ab[2], mask)
+        else:
+            roles = list(map(attrgetter("roles"), map(modules.__getitem__, compress(names, mask))))
+            a, b = map(methodcaller("get", "A"), roles), map(methodcaller("get", "B"), roles)
+        placed = list(zip(compress(names, mask), compress(locs, mask), a, b, strict=True))
+        if set(map(type, chain(map(itemgetter(2), placed), map(itemgetter(3), placed)))) <= {TensorEntry, type(None)}:
             untrack(placed)  # names, Locations and entries: in no cycle (acyclic.py)
         memo[key] = placed
     return memo[key]

@@ -167,27 +167,30 @@ def _parse(text: bytes, head: bytes, file_size: int, fast: bool = True) -> Heade
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise ValueError("__metadata__ is not a string-to-string map")
-    tensors = _entries(raw, data_start)
+    tensors, end = _entries(raw, data_start)
     strings = [*raw, *metadata, *metadata.values()]  # with the dtypes and the entries' keys, colon-free
     if not parsed.exact and not header_json.colons_agree(text, keys + 3 * len(raw) + len(metadata), strings):
         return _parse(text, head, file_size, fast=False)  # a key written twice: the exact parse names it
-    _check_packing(tensors, data_start, file_size - data_start)
+    if end != file_size - data_start:  # not listed in file order, packed from its first byte to its last
+        _check_packing(tensors, data_start, file_size - data_start)
     return Header(tensors, metadata, data_start, file_size, prefix=head,
                   identity=(blake3.blake3(head).digest(), file_size))
 
 
-def _entries(raw: dict[str, object], data_start: int) -> dict[str, TensorEntry]:
+def _entries(raw: dict[str, object], data_start: int) -> tuple[dict[str, TensorEntry], int]:
     """Every entry checked as _entry checks one, in one pass over them all where all are well formed (each
-    distinct dtype and shape sized once); where one is not, _entry finds it and says why."""
+    distinct dtype and shape sized once); where one is not, _entry finds it and says why. With them, where
+    the data ends if the entries are listed in file order, each beginning where the last ended from the
+    data's first byte (as safetensors writes them), else -1."""
     fast = _well_formed(raw, data_start)
     if fast is not None:
         return fast
     entries = {name: _entry(name, value, data_start) for name, value in raw.items()}
     untrack(entries.values())
-    return entries
+    return entries, -1
 
 
-def _well_formed(raw: dict[str, object], data_start: int) -> dict[str, TensorEntry] | None:
+def _well_formed(raw: dict[str, object], data_start: int) -> tuple[dict[str, TensorEntry], int] | None:
     """_entry's entries where every one is well formed, else None: one pass over the entries (a per-expert
     header's tens of thousands are scattered objects, and each pass over them all is a walk through memory
     that costs more than the work done on the way), each distinct (dtype, *shape) checked and sized once,
@@ -195,7 +198,8 @@ def _well_formed(raw: dict[str, object], data_start: int) -> dict[str, TensorEnt
     and not by the sizes' cache: True == 1 == 1.0 as keys, so a bool or a float for a size would pass for an
     int that came first."""
     if not raw:
-        return {}
+        return {}, 0
+    at = 0  # where the data ends, while every entry begins where the last ended (-1 once one does not)
     kinds: dict[tuple, tuple[int, tuple[int, ...]]] = {}
     out, shapes, offsets = {}, [], []
     make, add_shape, add_offsets = tuple.__new__, shapes.append, offsets.append
@@ -217,6 +221,7 @@ def _well_formed(raw: dict[str, object], data_start: int) -> dict[str, TensorEnt
             begin, end = bounds
             if end - begin != kind[0] or begin < 0:
                 return None
+            at = end if begin == at else -1
             # tuple.__new__ makes the entry in C; TensorEntry's own __new__ is a Python call a tensor
             out[name] = make(TensorEntry, (dtype, kind[1], data_start + begin, data_start + end))
     except (KeyError, TypeError):  # a key missing, a value unhashable or of no arithmetic
@@ -228,7 +233,7 @@ def _well_formed(raw: dict[str, object], data_start: int) -> dict[str, TensorEnt
         return None
     untrack(kind[1] for kind in kinds.values())
     untrack(out.values())  # a str, sizes and ints: in no cycle, so out of the collector's passes (acyclic.py)
-    return out
+    return out, at
 
 
 def _entry(name: str, value: object, data_start: int) -> TensorEntry:
