@@ -14,16 +14,10 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from tiny import make_adapter, model_config
 
-from mstar.engine.resources.lora import header_json
+from mstar.engine.resources.lora import header_json, header_typed
+from mstar.engine.resources.lora.header_entries import _entry, _well_formed
 from mstar.engine.resources.lora.models import specs_from_config
-from mstar.engine.resources.lora.safetensors_header import (
-    MAX_HEADER_BYTES,
-    Header,
-    _entry,
-    _well_formed,
-    parse_header,
-    read_header,
-)
+from mstar.engine.resources.lora.safetensors_header import MAX_HEADER_BYTES, Header, parse_header, read_header
 from mstar.engine.resources.lora.store import check_adapter_file
 
 
@@ -64,6 +58,8 @@ CORRUPT = {
     "boolean shape": (lambda: raw_file({"a": entry(shape=(True,), offsets=(0, 4))}, b"\0" * 4), "list of sizes"),
     "boolean offsets": (lambda: raw_file({"a": entry(shape=(1,), offsets=(False, True))}, b"\0"), "data_offsets"),
     "fractional shape": (lambda: raw_file({"a": entry(shape=(1.0,), offsets=(0, 4))}, b"\0" * 4), "list of sizes"),
+    "two negative sizes": (lambda: raw_file({"a": entry(shape=(-1, -2), offsets=(0, 8))}, b"\0" * 8), "list of sizes"),
+    "a fourth field": (lambda: raw_file({"a": {**entry(), "x": 1}}, b"\0" * 8), "exactly dtype, shape"),
     "a boolean offset that spans the size": (lambda: raw_file({"a": entry("U8", (1,), (False, 1))}, b"\0"),
                                              "data_offsets"),
     "a fractional offset that spans the size": (lambda: raw_file({"a": entry(offsets=(0.0, 8))}, b"\0" * 8),
@@ -145,13 +141,24 @@ def test_arbitrary_headers_give_a_header_or_a_value_error(header, data_len):
 
 @contextlib.contextmanager
 def standard_library_only():
-    """The header parsed as without the optional orjson: the standard library's parse, duplicates refused by its
-    hook."""
+    """The header parsed as without the optional msgspec and orjson: the standard library's parse, duplicates
+    refused by its hook."""
     saved, header_json.orjson = header_json.orjson, None
+    try:
+        with orjson_only():
+            yield
+    finally:
+        header_json.orjson = saved
+
+
+@contextlib.contextmanager
+def orjson_only():
+    """The header parsed as without the optional msgspec: orjson's parse, its entries checked by type."""
+    saved, header_typed.msgspec = header_typed.msgspec, None
     try:
         yield
     finally:
-        header_json.orjson = saved
+        header_typed.msgspec = saved
 
 
 def outcome(data: bytes) -> object:
@@ -198,17 +205,39 @@ def test_tensors_of_one_size_keep_their_own_shapes():
     """An A of [2, 4] and a B of [4, 2] (a square module's factors at r = 2) are the same size, one dtype."""
     data = raw_file({"a": entry(shape=(2, 4), offsets=(0, 32)), "b": entry(shape=(4, 2), offsets=(32, 64))},
                     b"\0" * 64)
-    h = parse_header(data, len(data))
-    assert (h.tensors["a"].shape, h.tensors["b"].shape) == ((2, 4), (4, 2))
+    for parse in (contextlib.nullcontext, orjson_only, standard_library_only):
+        with parse():
+            h = parse_header(data, len(data))
+        assert (h.tensors["a"].shape, h.tensors["b"].shape) == ((2, 4), (4, 2)), parse
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.text(max_size=4), entries | json_values, max_size=4), st.integers(0, 48))
 def test_orjson_and_the_standard_library_read_every_header_alike(header, data_len):
-    data = raw_file(header, b"\0" * data_len)
+    for data in (raw_file(header, b"\0" * data_len), raw_compact(header, b"\0" * data_len)):
+        with standard_library_only():
+            slow = outcome(data)
+        with orjson_only():
+            assert outcome(data) == slow
+        assert outcome(data) == slow
+
+
+def raw_compact(header: dict, data: bytes = b"") -> bytes:
+    """A header written as safetensors writes one: no spaces (json.dumps puts one after every , and :)."""
+    h = json.dumps(header, separators=(",", ":")).encode()
+    return struct.pack("<Q", len(h)) + h + data
+
+
+@pytest.mark.parametrize("tensors", [{"b": torch.zeros(2), "a": torch.zeros(3, dtype=torch.bfloat16)}, {}])
+def test_msgspec_reads_what_safetensors_writes_as_the_other_parses_do(tmp_path, tensors):
+    """Its metadata first and without spaces, its entries by dtype then name (or none at all)."""
+    save_file(tensors, tmp_path / "x.safetensors", metadata={"format": "pt", "note": "a:b,{c}"})
+    data = (tmp_path / "x.safetensors").read_bytes()
+    text = data[8 : 8 + int.from_bytes(data[:8], "little")]
+    assert header_typed.decode(text, ("F32", "BF16")) is not None  # read by msgspec, not handed on
     with standard_library_only():
         slow = outcome(data)
-    assert outcome(data) == slow
+    assert outcome(data) == slow and slow[1] == {"format": "pt", "note": "a:b,{c}"}
 
 
 E = json.dumps(entry())
@@ -225,7 +254,7 @@ TWICE = {
 @pytest.mark.parametrize("case", list(TWICE))
 def test_a_key_written_twice_is_refused_by_either_parse(case):
     data = raw_text(TWICE[case], b"\0" * 8)
-    for parse in (contextlib.nullcontext, standard_library_only):
+    for parse in (contextlib.nullcontext, orjson_only, standard_library_only):
         with parse(), pytest.raises(ValueError, match="appears twice"):
             parse_header(data, len(data))
 

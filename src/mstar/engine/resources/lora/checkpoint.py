@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 from . import hub, safetensors_header
 from .acyclic import untrack
 from .adapter_config import AdapterConfig, ModuleRule, parse_config, read_config
+from .header_entries import FLOAT_DTYPES
 from .keys import PEFT_PREFIX, ConvertKeys, ModuleKeys, group_keys
-from .safetensors_header import FLOAT_DTYPES, Header, NotSafetensors, TensorEntry, read_header
+from .safetensors_header import Header, NotSafetensors, TensorEntry, read_header
 from .source import FileSource, Source, TensorSource
 
 if TYPE_CHECKING:
