@@ -60,6 +60,19 @@ CORRUPT = {
     "fractional shape": (lambda: raw_file({"a": entry(shape=(1.0,), offsets=(0, 4))}, b"\0" * 4), "list of sizes"),
     "two negative sizes": (lambda: raw_file({"a": entry(shape=(-1, -2), offsets=(0, 8))}, b"\0" * 8), "list of sizes"),
     "a fourth field": (lambda: raw_file({"a": {**entry(), "x": 1}}, b"\0" * 8), "exactly dtype, shape"),
+    # as safetensors writes a header (metadata first, no spaces), which msgspec decodes (an adversary's, issue 28)
+    "a comma after the metadata and no tensor": (lambda: raw_text('{"__metadata__":{"k":"v"},}'), "not valid JSON"),
+    "a tensor named __metadata__": (lambda: raw_text('{"__metadata__":' + json.dumps(entry(), separators=(",", ":"))
+                                                     + "}", b"\0" * 8), "string-to-string"),
+    "metadata twice, once a tensor": (lambda: raw_text('{"__metadata__":{"k":"v"},"__metadata__":'
+                                                       + json.dumps(entry(), separators=(",", ":")) + "}", b"\0" * 8),
+                                      "string-to-string"),
+    "a size past 64 bits": (lambda: raw_text('{"t":{"dtype":"F16","shape":[0,18446744073709551616],'
+                                             '"data_offsets":[0,0]}}'), "list of sizes"),
+    "a string among huge sizes": (lambda: raw_text('{"a":{"dtype":"F64","shape":[10000000000000000000,"x"],'
+                                                   '"data_offsets":[0,8]}}', b"\0" * 8), "list of sizes"),
+    "invalid UTF-8 in a name": (lambda: struct.pack("<Q", 30) + b'{"\xff":' + json.dumps(entry()).encode()[:20]
+                                + b"\0" * 8, "not valid JSON"),
     "a boolean offset that spans the size": (lambda: raw_file({"a": entry("U8", (1,), (False, 1))}, b"\0"),
                                              "data_offsets"),
     "a fractional offset that spans the size": (lambda: raw_file({"a": entry(offsets=(0.0, 8))}, b"\0" * 8),
@@ -268,3 +281,15 @@ def test_what_safetensors_refuses_is_refused(header, data_len):
     except Exception:  # the library raises its own error types, and Python's
         with pytest.raises(ValueError):
             parse_header(data, len(data))
+
+
+def test_sizes_of_64_bits_read_alike_by_every_parse():
+    """msgspec's bounds stop at 63 bits; a size past them, within the 64 safetensors reads, goes to orjson."""
+    data = raw_text('{"__metadata__":{"k":"v"},"t":{"dtype":"F16","shape":[0,9223372036854775808],'
+                    '"data_offsets":[0,0]}}')
+    with standard_library_only():
+        slow = outcome(data)
+    assert slow[0]["t"].shape == (0, 2**63)
+    with orjson_only():
+        assert outcome(data) == slow
+    assert outcome(data) == slow

@@ -93,8 +93,8 @@ def _well_formed(raw: dict[str, object], data_start: int) -> tuple[dict[str, Ten
             add_offsets(bounds)
             key = (dtype, *shape)
             kind = kinds.get(key)
-            if kind is None:
-                if type(dtype) is not str or dtype not in ITEMSIZES:
+            if kind is None:  # sized only once its sizes are known to be ints: int * str repeats the str
+                if type(dtype) is not str or dtype not in ITEMSIZES or not all(type(d) is int for d in shape):
                     return None
                 kind = kinds[key] = (ITEMSIZES[dtype] * math.prod(shape), tuple(shape))
             begin, end = bounds

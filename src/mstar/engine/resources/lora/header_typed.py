@@ -22,13 +22,16 @@ except ImportError:  # the extra is optional: orjson or the standard library rea
 
 _STRING = rb'"[^"\\]*"'  # no escapes: a header with a backslash is not read here
 _PAIR = _STRING + rb":" + _STRING
-# The metadata as safetensors writes it, first and without spaces; then a comma, or the header's end.
-_METADATA = re.compile(rb'\{"__metadata__":(\{(?:' + _PAIR + rb"(?:," + _PAIR + rb")*)?\})([,}])")
+# The metadata as safetensors writes it, first and without spaces; then a comma and the next key, or the end.
+_METADATA = re.compile(rb'\{"__metadata__":(\{(?:' + _PAIR + rb"(?:," + _PAIR + rb')*)?\})(,(?=[ \t\n\r]*")|\})')
+# Sizes and offsets msgspec takes: those of 63 bits (the most its bounds can say); a larger one, up to the
+# 64 bits safetensors reads and orjson parses as an integer, goes to orjson, as any other header does.
+_LARGEST = 2**63 - 1
 
 
 @functools.cache
 def _decoders(dtypes: tuple[str, ...]) -> tuple[Any, Any]:
-    size = Annotated[int, msgspec.Meta(ge=0)]
+    size = Annotated[int, msgspec.Meta(ge=0, le=_LARGEST)]
     fields = [("dtype", Literal[dtypes]), ("shape", tuple[size, ...]), ("data_offsets", tuple[size, size])]
     entry = msgspec.defstruct("Entry", fields, forbid_unknown_fields=True, gc=False)
     return msgspec.json.Decoder(dict[str, entry]), msgspec.json.Decoder(dict[str, str])
@@ -43,8 +46,12 @@ def decode(text: bytes, dtypes: tuple[str, ...]) -> tuple[dict[str, Any], dict[s
     found = _METADATA.match(text)
     try:
         if found is None:
-            return entries.decode(text), None
-        body = b"{}" if found.group(2) == b"}" else b"{"
-        return entries.decode(body + text[found.end() :]), metadata.decode(found.group(1))
-    except (msgspec.DecodeError, RecursionError):
+            decoded, given = entries.decode(text), None
+        else:
+            body = b"{}" if found.group(2) == b"}" else b"{"
+            decoded, given = entries.decode(body + text[found.end() :]), metadata.decode(found.group(1))
+    except (msgspec.DecodeError, RecursionError, ValueError):  # ValueError: invalid UTF-8, say
         return None
+    if "__metadata__" in decoded:  # an entry by that name, or a second metadata: the other parses say which
+        return None
+    return decoded, given
