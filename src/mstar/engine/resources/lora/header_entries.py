@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 # Module names run to a hundred characters or so; longer ones are refused, which bounds the work of
 # matching them against a config's patterns.
 MAX_NAME = 1024
+# safetensors reads sizes as 64-bit unsigned integers: a larger one (the standard library reads any) is no size.
+LARGEST_SIZE = 2**64 - 1
 # Each safetensors dtype's torch name and size: what a header is checked and sized by, without torch (the
 # startup check imports none); DTYPES, the torch dtypes themselves, is made on first use.
 TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -94,7 +96,7 @@ def _well_formed(raw: dict[str, object], data_start: int) -> tuple[dict[str, Ten
             key = (dtype, *shape)
             kind = kinds.get(key)
             if kind is None:  # sized only once its sizes are known to be ints: int * str repeats the str
-                if type(dtype) is not str or dtype not in ITEMSIZES or not all(type(d) is int for d in shape):
+                if type(dtype) is not str or dtype not in ITEMSIZES or not all(_size(d) for d in shape):
                     return None
                 kind = kinds[key] = (ITEMSIZES[dtype] * math.prod(shape), tuple(shape))
             begin, end = bounds
@@ -106,13 +108,19 @@ def _well_formed(raw: dict[str, object], data_start: int) -> tuple[dict[str, Ten
     except (KeyError, TypeError):  # a key missing, a value unhashable or of no arithmetic
         return None
     # types compared, not tested with isinstance: True == 1, so a bool would pass for a size
-    if set(map(type, chain.from_iterable(shapes))) - {int} or min(chain.from_iterable(shapes), default=0) < 0:
+    # each (dtype, *shape) was checked where first seen, so every shape's values are sizes: their types are not
+    if set(map(type, chain.from_iterable(shapes))) - {int}:
         return None
     if set(map(type, chain.from_iterable(offsets))) != {int}:
         return None
     untrack(kind[1] for kind in kinds.values())
     untrack(out.values())  # a str, sizes and ints: in no cycle, so out of the collector's passes (acyclic.py)
     return out, at
+
+
+def _size(d: object) -> bool:
+    """Whether d is a size as safetensors reads one: an int (not a bool) from 0 to 2**64 - 1."""
+    return type(d) is int and 0 <= d <= LARGEST_SIZE
 
 
 def _entry(name: str, value: object, data_start: int) -> TensorEntry:
@@ -131,7 +139,7 @@ def _entry(name: str, value: object, data_start: int) -> TensorEntry:
         raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
     size = itemsize
     for d in shape:
-        if type(d) is not int or d < 0:
+        if not _size(d):
             raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
         size *= d
     if type(offsets) is not list or len(offsets) != 2:
