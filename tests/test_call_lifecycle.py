@@ -282,7 +282,7 @@ def reordered_rank(rank: int, world_size: int, rendezvous: str, files: list[str]
     m.step([], [])  # each rank with one reload queued, of other files
     threads.append(threading.Thread(target=lambda: res.__setitem__("second", outcome(lambda: m.register("x", second)))))
     threads[1].start()
-    wait_until(lambda: len(m._calls) >= 1)
+    wait_until(lambda: len(m._calls) == 2)  # both queued on this rank before any step matches them
     for _ in range(3):
         m.step([], [])
     for t in threads:
