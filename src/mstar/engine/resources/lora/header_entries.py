@@ -107,8 +107,8 @@ def _well_formed(raw: dict[str, object], data_start: int) -> tuple[dict[str, Ten
             out[name] = make(TensorEntry, (dtype, kind[1], data_start + begin, data_start + end))
     except (KeyError, TypeError):  # a key missing, a value unhashable or of no arithmetic
         return None
-    # types compared, not tested with isinstance: True == 1, so a bool would pass for a size
-    # each (dtype, *shape) was checked where first seen, so every shape's values are sizes: their types are not
+    # every (dtype, *shape) was checked where first seen, so each shape's values are sizes; not their types,
+    # compared here, not tested with isinstance: True == 1 == 1.0, so a bool or a float passes for a size
     if set(map(type, chain.from_iterable(shapes))) - {int}:
         return None
     if set(map(type, chain.from_iterable(offsets))) != {int}:

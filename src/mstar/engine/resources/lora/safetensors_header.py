@@ -114,18 +114,16 @@ def _parse(text: bytes, head: bytes, file_size: int, fast: bool = True) -> Heade
     data_start = len(head)
     typed = header_typed.decode(text, tuple(ITEMSIZES)) if fast else None
     found = typed_entries(typed[0], data_start) if typed is not None else None
-    if typed is not None and found is not None:
-        metadata, exact = typed[1], False
-        keys = len(typed[0]) + (metadata is not None)
-        names = typed[0]
+    if found is not None:  # msgspec's entries, checked: only their sizes against their offsets were left
+        entries, metadata, exact = typed[0], typed[1], False
+        keys = len(entries) + (metadata is not None)
     else:
         parsed = header_json.parse(text, fast)
-        raw, exact = parsed.value, parsed.exact
-        if not isinstance(raw, dict):
+        entries, exact = parsed.value, parsed.exact
+        if not isinstance(entries, dict):
             raise ValueError("header is not a JSON object")
-        keys = len(raw)
-        metadata = raw.pop("__metadata__", None) if keys <= MAX_TENSORS + 1 else None
-        names = raw
+        keys = len(entries)
+        metadata = entries.pop("__metadata__", None)
     if keys > MAX_TENSORS + 1:
         raise ValueError(f"its header lists {keys - 1} tensors, over the {MAX_TENSORS} this pool reads")
     if metadata is None:  # absent, or null as safetensors allows
@@ -134,9 +132,9 @@ def _parse(text: bytes, head: bytes, file_size: int, fast: bool = True) -> Heade
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise ValueError("__metadata__ is not a string-to-string map")
-    tensors, end = found if found is not None else checked_entries(names, data_start)
-    strings = [*names, *metadata, *metadata.values()]  # with the dtypes and the entries' keys, colon-free
-    if not exact and not header_json.colons_agree(text, keys + 3 * len(names) + len(metadata), strings):
+    tensors, end = found if found is not None else checked_entries(entries, data_start)
+    strings = [*entries, *metadata, *metadata.values()]  # with the dtypes and the entries' keys, colon-free
+    if not exact and not header_json.colons_agree(text, keys + 3 * len(entries) + len(metadata), strings):
         return _parse(text, head, file_size, fast=False)  # a key written twice: the exact parse names it
     if end != file_size - data_start:  # not listed in file order, packed from its first byte to its last
         check_packing(tensors, data_start, file_size - data_start)
